@@ -1,0 +1,40 @@
+# runstile — the two commands: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+DATA   ?= ./runstile-data
+PYTEST_ARGS ?=
+
+.PHONY: run test chaos bench lint docs clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## run: install into .venv and start runstile on the embedded default with demo tasks
+run: venv
+	$(VENV)/bin/runstile up --data-dir $(DATA)
+
+## test: install dev dependencies and run the whole suite (chaos profile excluded)
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## chaos: the long fault-injection and soak runs
+chaos: venv
+	$(PY) -m pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
+
+## bench: benchmarks, reported as ratios against baselines measured in the same run
+bench: venv
+	$(PY) bench/run.py
+
+lint: venv
+	$(PY) -m compileall -q runstile tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,12 @@
+"""runstile: durable run admission and at-most-once execution on a SQLite ledger.
+
+The public API is small: ``task`` registers a task, ``Settings`` configures runstile,
+and every error derives from ``RunstileError``.
+"""
+
+from .config import Settings
+from .errors import RunstileError
+from .workers.registry import task
+
+__all__ = ["Settings", "RunstileError", "task"]
+__version__ = "0.1.0"

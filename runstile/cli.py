@@ -1,0 +1,272 @@
+"""The ``runstile`` command (SPEC §9).  ``main(argv=None)`` is testable in-process.
+
+Every subcommand takes ``--data-dir`` and ``--tasks`` after its name; ``--json`` prints
+one JSON object on the last line of stdout.  Exit codes: 0 ok, 1 failure, 2 usage.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .config import Settings
+from .errors import ConfigError, RunstileError
+
+
+def _common(fn):
+    """Add --data-dir and --tasks to a subcommand and turn them into ``settings``."""
+
+    @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                  help="Data directory [env RUNSTILE_DATA_DIR; default ./runstile-data].")
+    @click.option("--tasks", "tasks", multiple=True,
+                  help="Task module to import (repeatable) [env RUNSTILE_TASKS; "
+                       "default runstile.demo].")
+    @functools.wraps(fn)
+    def wrapper(*args, data_dir, tasks, **kwargs):
+        try:
+            settings = Settings.from_env(data_dir=data_dir, tasks=tuple(tasks) or None)
+        except ConfigError as exc:
+            raise click.UsageError(exc.message) from None
+        return fn(settings, *args, **kwargs)
+
+    return wrapper
+
+
+def _emit_json(obj: dict) -> None:
+    click.echo(json.dumps(obj, separators=(",", ":"), sort_keys=True))
+
+
+def _fail(message: str, code: int = 1):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _ledger(settings: Settings):
+    """Migrate (once, at start) and open a connection."""
+    from .ledger import db, migrations
+    migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
+                       busy_timeout_ms=settings.busy_timeout_ms)
+    return db.connect(settings.ledger_path, synchronous=settings.synchronous,
+                      busy_timeout_ms=settings.busy_timeout_ms)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="runstile")
+def cli() -> None:
+    """runstile: durable run admission and at-most-once execution."""
+
+
+# ---------------------------------------------------------------- keys
+
+@cli.group()
+def keys() -> None:
+    """Create, list, revoke and rotate API keys."""
+
+
+def _key_json(key_id: str, secret: str, profile: str, role: str) -> dict:
+    return {"key_id": key_id, "secret": secret, "profile": profile, "role": role}
+
+
+@keys.command("create")
+@_common
+@click.option("--profile", required=True, help="Profile (tenant); created if new.")
+@click.option("--label", default=None, help="Free text to recognise the key by.")
+@click.option("--admin", is_flag=True, help="An admin key sees every run of its profile.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def keys_create(settings, profile, label, admin, as_json):
+    """Create a key (and its profile if new); prints the secret once."""
+    from .ledger import keys as ledger_keys
+    if not ledger_keys.valid_profile(profile):
+        raise click.BadParameter("1-64 letters, digits, '_', '.' or '-', starting with a "
+                                 "letter or digit", param_hint="--profile")
+    if label is not None and len(label) > 200:
+        raise click.BadParameter("at most 200 characters", param_hint="--label")
+    role = "admin" if admin else "client"
+    conn = _ledger(settings)
+    key_id, secret = ledger_keys.create(conn, profile, label=label, role=role)
+    if as_json:
+        _emit_json(_key_json(key_id, secret, profile, role))
+    else:
+        click.echo(f"key id:  {key_id}\nprofile: {profile}\nrole:    {role}\n"
+                   f"secret:  {secret}\n(the secret is shown only now)")
+
+
+@keys.command("list")
+@_common
+@click.option("--profile", default=None, help="Only this profile's keys.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def keys_list(settings, profile, as_json):
+    """List keys (never their secrets)."""
+    from .ledger import keys as ledger_keys
+    from .objects import rfc3339
+    rows = ledger_keys.list_keys(_ledger(settings), profile)
+    for row in rows:
+        for name in ("created_at", "rotated_at", "revoked_at"):
+            row[name] = rfc3339(row[name])
+    if as_json:
+        _emit_json({"object": "list", "data": rows})
+        return
+    for row in rows:
+        state = "revoked" if row["revoked_at"] else "active"
+        click.echo(f"{row['id']}  {row['profile_id']:<16} {row['role']:<6} {state:<8} "
+                   f"{row['label'] or ''}")
+
+
+@keys.command("revoke")
+@_common
+@click.argument("key_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def keys_revoke(settings, key_id, as_json):
+    """Revoke a key; requests with it get 401 from the next one on."""
+    from .ledger import keys as ledger_keys
+    conn = _ledger(settings)
+    if not ledger_keys.exists(conn, key_id):
+        _fail(f"no key {key_id!r}")
+    revoked = ledger_keys.revoke(conn, key_id)
+    if as_json:
+        _emit_json({"key_id": key_id, "revoked": True, "changed": revoked})
+    else:
+        click.echo(f"{key_id} revoked" if revoked else f"{key_id} was already revoked")
+
+
+@keys.command("rotate")
+@_common
+@click.argument("key_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def keys_rotate(settings, key_id, as_json):
+    """Give a key a new secret; its id, runs and idempotency records stay."""
+    from .ledger import keys as ledger_keys
+    rotated = ledger_keys.rotate(_ledger(settings), key_id)
+    if rotated is None:
+        _fail(f"no live key {key_id!r} (unknown or revoked)")
+    secret, profile, role = rotated
+    if as_json:
+        _emit_json(_key_json(key_id, secret, profile, role))
+    else:
+        click.echo(f"key id:  {key_id}\nsecret:  {secret}\n(the old secret no longer works)")
+
+
+# ---------------------------------------------------------------- db
+
+@cli.group()
+def db() -> None:
+    """Migrate, check and back up the ledger."""
+
+
+@db.command("migrate")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def db_migrate(settings, as_json):
+    """Bring the ledger to the current schema (safe to run any time)."""
+    from .ledger import migrations
+    before = migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
+                                busy_timeout_ms=settings.busy_timeout_ms)
+    if as_json:
+        _emit_json({"path": str(settings.ledger_path), "from_version": before,
+                    "version": migrations.LATEST_VERSION})
+    else:
+        click.echo(f"{settings.ledger_path}: schema version {before} -> "
+                   f"{migrations.LATEST_VERSION}")
+
+
+@db.command("check")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def db_check(settings, as_json):
+    """Integrity and invariant report; exit 1 if anything is wrong."""
+    from .ledger import db as ledger_db, maintenance
+    if not settings.ledger_path.exists():
+        _fail(f"no ledger at {settings.ledger_path}")
+    conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms,
+                             readonly=True)
+    report = maintenance.check(conn)
+    if as_json:
+        _emit_json(report)
+    else:
+        click.echo(f"schema version {report['schema_version']}, journal {report['journal_mode']}")
+        for name, count in report["counts"].items():
+            click.echo(f"  {name}: {count}")
+        for problem in report["problems"]:
+            click.echo(f"PROBLEM: {problem}")
+        click.echo("ok" if report["ok"] else "NOT OK")
+    sys.exit(0 if report["ok"] else 1)
+
+
+@db.command("backup")
+@_common
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def db_backup(settings, path, force, as_json):
+    """Online, consistent copy of the ledger (SQLite backup API, never a file copy)."""
+    from .ledger import db as ledger_db, maintenance
+    if not settings.ledger_path.exists():
+        _fail(f"no ledger at {settings.ledger_path}")
+    if path.exists() and not force:
+        _fail(f"{path} exists; pass --force to overwrite it")
+    if path.exists():
+        path.unlink()
+    conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)
+    pages = maintenance.backup(conn, path)
+    if as_json:
+        _emit_json({"path": str(path), "pages": pages})
+    else:
+        click.echo(f"backed up {settings.ledger_path} to {path} ({pages} pages)")
+
+
+# ---------------------------------------------------------------- serve
+
+def _host_port(settings: Settings, host: str | None, port: int | None) -> Settings:
+    return settings.replace(host=host or settings.host, port=port or settings.port)
+
+
+@cli.command("serve")
+@_common
+@click.option("--host", default=None, help="Listen address [default 127.0.0.1].")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Listen port [default 8000].")
+@click.option("--web-workers", type=click.IntRange(1, 64), default=None,
+              help="Web processes [default 2].")
+@click.option("--threads", "web_threads", type=click.IntRange(1, 256), default=None,
+              help="Threads per web process [default 8].")
+def serve(settings, host, port, web_workers, web_threads):
+    """Serve the HTTP API (gunicorn, gthread workers)."""
+    settings = _host_port(settings, host, port).replace(
+        web_workers=web_workers or settings.web_workers,
+        web_threads=web_threads or settings.web_threads)
+    from .web.server import run_gunicorn
+    _ledger(settings).close()
+    click.echo(f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
+               f"(ledger {settings.ledger_path})", err=True)
+    run_gunicorn(settings)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="runstile", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 1
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except ConfigError as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        return 2
+    except RunstileError as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        return 1
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+

@@ -1,0 +1,257 @@
+"""Settings: read once from the environment (or flags), validated, then passed down.
+
+Nothing below this module reads ``os.environ``; every part of runstile receives a
+:class:`Settings` explicitly (DESIGN §3, "settings flow in").  Every variable is
+documented with its default and unit in ``docs/configuration.md``; a test keeps the
+two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError
+
+#: The synchronous levels SQLite accepts; FULL is the durable default (SPEC §2.1).
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+#: Crash points that code may name (DESIGN §3 "crash tests two ways").
+CRASHPOINTS = ("after_admit_commit", "before_admit_commit")
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be a whole number of at least 1")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be a whole number of at least 0")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError("must be a number greater than 0")
+    return value
+
+
+def _non_negative_float(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("must be a finite number of at least 0")
+    return value
+
+
+def _synchronous(raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in SYNCHRONOUS_LEVELS:
+        raise ValueError(f"must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
+    return value
+
+
+def _broker_url(raw: str) -> str:
+    value = raw.strip()
+    if value == "sqlite" or value.startswith(("redis://", "rediss://", "amqp://", "amqps://")):
+        return value
+    raise ValueError("must be 'sqlite', a redis:// URL or an amqp:// URL")
+
+
+def _tasks(raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if not names:
+        raise ValueError("must name at least one module")
+    return names
+
+
+def _optional_text(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _allowlist(raw: str) -> tuple[str, ...]:
+    entries = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for entry in entries:
+        if "/" in entry:
+            ipaddress.ip_network(entry, strict=False)  # raises ValueError on nonsense
+    return entries
+
+
+def _crashpoint(raw: str) -> str | None:
+    value = raw.strip() or None
+    if value is not None and value not in CRASHPOINTS:
+        raise ValueError(f"must be one of {', '.join(CRASHPOINTS)}")
+    return value
+
+
+def _node_id(raw: str) -> str:
+    value = raw.strip()
+    if not value or len(value) > 128 or not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError("must be 1-128 characters of letters, digits, '-', '_' or '.'")
+    return value
+
+
+def _default_node_id() -> str:
+    host = socket.gethostname() or "node"
+    return "".join(c if (c.isalnum() or c in "-_.") else "-" for c in host)[:128]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything configurable, with units in the names (DESIGN §3)."""
+
+    #: Folder holding ``ledger.db``, node lock files and metrics scratch files.
+    data_dir: Path = Path("./runstile-data")
+    #: Modules whose ``@runstile.task`` functions are registered.
+    tasks: tuple[str, ...] = ("runstile.demo",)
+    #: ``sqlite`` (embedded broker in the ledger), ``redis://…`` or ``amqp://…``.
+    broker_url: str = "sqlite"
+    #: SQLite ``PRAGMA synchronous``; FULL makes every acknowledged commit durable.
+    synchronous: str = "FULL"
+    #: Milliseconds a ledger write waits for the lock before answering 503.
+    busy_timeout_ms: int = 5000
+    #: Largest accepted request body in bytes (chunked bodies included).
+    max_body_bytes: int = 1024 * 1024
+    #: Non-terminal runs one profile may hold before admission answers 429.
+    max_active_runs: int = 10_000
+    #: Task used when a POST names none; unset means ``task`` is required.
+    default_task: str | None = None
+    #: Seconds ``Retry-After`` suggests on 503 and 429 answers.
+    retry_after_s: int = 1
+    #: Seconds a terminal run (and its events) is kept after it ends.
+    run_retention_s: float = 7 * 24 * 3600.0
+    #: Seconds purged keys and run ids are remembered as tombstones (410).
+    key_tombstone_s: float = 30 * 24 * 3600.0
+    #: This node's identity in owners and generation numbers.
+    node_id: str = field(default_factory=_default_node_id)
+    #: Seconds a claimed run may go without a heartbeat before its lease expires.
+    lease_s: float = 15.0
+    #: Seconds between one process's heartbeats (renews all its leases at once).
+    heartbeat_s: float = 5.0
+    #: Seconds between scheduled recovery passes.
+    recovery_interval_s: float = 10.0
+    #: Recoveries of one run before it is paused instead of re-queued.
+    recovery_budget: int = 3
+    #: Seconds a draining process waits for running bodies before abandoning them.
+    drain_timeout_s: float = 30.0
+    #: Seconds a stopping run may keep running before it is interrupted.
+    stop_grace_s: float = 10.0
+    #: Largest task result in bytes of JSON.
+    max_result_bytes: int = 1024 * 1024
+    #: Event streams one web process serves at once.
+    max_streams: int = 64
+    #: Seconds one event stream lives before the client must resume.
+    stream_max_s: float = 300.0
+    #: Seconds between keepalive comments on an idle event stream.
+    stream_keepalive_s: float = 15.0
+    #: First delivery retry delay in seconds (doubles up to 5 minutes).
+    delivery_backoff_s: float = 1.0
+    #: Delivery attempts before an obligation is parked.
+    delivery_max_attempts: int = 12
+    #: Hosts or CIDRs that callbacks may reach despite the SSRF guard.
+    callback_allowlist: tuple[str, ...] = ()
+    #: Address ``serve``/``up`` listen on.
+    host: str = "127.0.0.1"
+    #: Port ``serve``/``up`` listen on.
+    port: int = 8000
+    #: Web server (gunicorn) processes.
+    web_workers: int = 2
+    #: Threads per web process (gthread; event streams hold one each).
+    web_threads: int = 8
+    #: Dramatiq worker processes.
+    workers: int = 2
+    #: Threads per Dramatiq worker process.
+    threads: int = 4
+    #: Named crash point at which the process SIGKILLs itself (tests only).
+    crashpoint: str | None = None
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.data_dir / "ledger.db"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Build settings from ``RUNSTILE_*`` variables, then explicit overrides (flags).
+
+        Raises :class:`ConfigError` naming the variable when a value is invalid.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, (parse, _) in ENV_VARIABLES.items():
+            raw = env.get(name)
+            if raw is None:
+                continue
+            attr = name.removeprefix("RUNSTILE_").lower()
+            try:
+                values[attr] = parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r} is invalid: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Cross-field rules that single values cannot express."""
+        if self.heartbeat_s >= self.lease_s:
+            raise ConfigError(
+                f"RUNSTILE_HEARTBEAT_S ({self.heartbeat_s}) must be shorter than "
+                f"RUNSTILE_LEASE_S ({self.lease_s})"
+            )
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is outside 1-65535")
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 1 <= value <= 65535:
+        raise ValueError("must be a port number from 1 to 65535")
+    return value
+
+
+#: Every environment variable runstile reads: name -> (parser, one-line meaning).
+ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
+    "RUNSTILE_DATA_DIR": (lambda raw: Path(raw), "data directory"),
+    "RUNSTILE_TASKS": (_tasks, "task modules, comma-separated"),
+    "RUNSTILE_BROKER_URL": (_broker_url, "broker"),
+    "RUNSTILE_SYNCHRONOUS": (_synchronous, "SQLite synchronous level"),
+    "RUNSTILE_BUSY_TIMEOUT_MS": (_positive_int, "ledger lock wait, ms"),
+    "RUNSTILE_MAX_BODY_BYTES": (_positive_int, "request body cap, bytes"),
+    "RUNSTILE_MAX_ACTIVE_RUNS": (_positive_int, "non-terminal runs per profile"),
+    "RUNSTILE_DEFAULT_TASK": (_optional_text, "task used when none is named"),
+    "RUNSTILE_RETRY_AFTER_S": (_positive_int, "Retry-After on 503/429, s"),
+    "RUNSTILE_RUN_RETENTION_S": (_non_negative_float, "terminal run retention, s"),
+    "RUNSTILE_KEY_TOMBSTONE_S": (_non_negative_float, "tombstone retention, s"),
+    "RUNSTILE_NODE_ID": (_node_id, "node identity"),
+    "RUNSTILE_LEASE_S": (_positive_float, "lease length, s"),
+    "RUNSTILE_HEARTBEAT_S": (_positive_float, "heartbeat period, s"),
+    "RUNSTILE_RECOVERY_INTERVAL_S": (_positive_float, "recovery period, s"),
+    "RUNSTILE_RECOVERY_BUDGET": (_non_negative_int, "recoveries per run"),
+    "RUNSTILE_DRAIN_TIMEOUT_S": (_non_negative_float, "drain wait, s"),
+    "RUNSTILE_STOP_GRACE_S": (_non_negative_float, "stop grace, s"),
+    "RUNSTILE_MAX_RESULT_BYTES": (_positive_int, "result cap, bytes"),
+    "RUNSTILE_MAX_STREAMS": (_positive_int, "event streams per web process"),
+    "RUNSTILE_STREAM_MAX_S": (_positive_float, "event stream lifetime, s"),
+    "RUNSTILE_STREAM_KEEPALIVE_S": (_positive_float, "keepalive period, s"),
+    "RUNSTILE_DELIVERY_BACKOFF_S": (_positive_float, "first delivery retry delay, s"),
+    "RUNSTILE_DELIVERY_MAX_ATTEMPTS": (_positive_int, "delivery attempts before parking"),
+    "RUNSTILE_CALLBACK_ALLOWLIST": (_allowlist, "hosts/CIDRs exempt from the SSRF guard"),
+    "RUNSTILE_HOST": (_optional_text, "listen address"),
+    "RUNSTILE_PORT": (_port, "listen port"),
+    "RUNSTILE_WEB_WORKERS": (_positive_int, "web processes"),
+    "RUNSTILE_WEB_THREADS": (_positive_int, "threads per web process"),
+    "RUNSTILE_WORKERS": (_positive_int, "worker processes"),
+    "RUNSTILE_THREADS": (_positive_int, "threads per worker process"),
+    "RUNSTILE_CRASHPOINT": (_crashpoint, "test crash point"),
+}

@@ -1,0 +1,182 @@
+"""One error tree (DESIGN §3).  Every error runstile raises derives from RunstileError.
+
+Errors that reach a client carry a stable ``code`` (SPEC §3) and an HTTP ``status``;
+``web/errors.py`` is the one place that turns them into responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RunstileError(Exception):
+    """Raised when runstile cannot do what was asked; the base of every runstile error."""
+
+    code = "internal_error"
+    status = 500
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+        self.message = message or (self.__class__.__doc__ or self.code).strip()
+        self.details = details
+
+
+class ConfigError(RunstileError):
+    """Raised when a setting (environment variable or flag) has an invalid value."""
+
+    code = "invalid_config"
+    status = 500
+
+
+class LedgerUnavailable(RunstileError):
+    """Raised when the ledger cannot be written: busy past the timeout, I/O error, disk full, read-only."""
+
+    code = "run_storage_unavailable"
+    status = 503
+
+
+class LedgerCorrupt(RunstileError):
+    """Raised when the ledger fails an integrity or schema check."""
+
+    code = "ledger_corrupt"
+    status = 503
+
+
+class Unauthorized(RunstileError):
+    """Raised when a request has no valid, unrevoked API key."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class InvalidRequest(RunstileError):
+    """Raised when a request body or query does not match the schema."""
+
+    code = "invalid_request"
+    status = 400
+
+
+class InvalidJson(InvalidRequest):
+    """Raised when a request body is not valid JSON (I-JSON: no NaN, no duplicate keys)."""
+
+    code = "invalid_json"
+
+
+class InvalidIdempotencyKey(InvalidRequest):
+    """Raised when an Idempotency-Key header is empty, too long, not visible ASCII or reserved."""
+
+    code = "invalid_idempotency_key"
+
+
+class InvalidRunId(InvalidRequest):
+    """Raised when a client run id is not ``run_`` followed by 32 lowercase hex digits."""
+
+    code = "invalid_run_id"
+
+
+class InvalidCallbackUrl(InvalidRequest):
+    """Raised when a callback_url is not an http(s) URL runstile may deliver to."""
+
+    code = "invalid_callback_url"
+
+
+class UnknownTask(InvalidRequest):
+    """Raised when a new run names a task that is not registered."""
+
+    code = "unknown_task"
+
+
+class PayloadTooLarge(RunstileError):
+    """Raised when a request body exceeds RUNSTILE_MAX_BODY_BYTES."""
+
+    code = "payload_too_large"
+    status = 413
+
+
+class UnsupportedMediaType(RunstileError):
+    """Raised when a request body is not declared as application/json."""
+
+    code = "unsupported_media_type"
+    status = 415
+
+
+class NotAcceptable(RunstileError):
+    """Raised when the client accepts none of the representations a route offers."""
+
+    code = "not_acceptable"
+    status = 406
+
+
+class StreamsExhausted(RunstileError):
+    """Raised when this web process already serves RUNSTILE_MAX_STREAMS event streams."""
+
+    code = "too_many_streams"
+    status = 503
+
+
+class RunNotFound(RunstileError):
+    """Raised when a run does not exist or is outside what the caller's key may see."""
+
+    code = "run_not_found"
+    status = 404
+
+
+class RouteNotFound(RunstileError):
+    """Raised when no route matches the request path."""
+
+    code = "not_found"
+    status = 404
+
+
+class MethodNotAllowed(RunstileError):
+    """Raised when a route exists but not for the request's method."""
+
+    code = "method_not_allowed"
+    status = 405
+
+
+class Conflict(RunstileError):
+    """Raised when a request conflicts with what the ledger already holds."""
+
+    code = "conflict"
+    status = 409
+
+
+class IdempotencyKeyConflict(Conflict):
+    """Raised when an idempotency key is reused with a different request."""
+
+    code = "idempotency_key_conflict"
+
+
+class RunIdConflict(Conflict):
+    """Raised when a client run id is taken (the answer never says by whom)."""
+
+    code = "run_id_conflict"
+
+
+class IdempotencyKeyExpired(RunstileError):
+    """Raised when a key or run id is only remembered as a tombstone after retention."""
+
+    code = "idempotency_key_expired"
+    status = 410
+
+
+class CapacityExceeded(RunstileError):
+    """Raised when a profile already holds RUNSTILE_MAX_ACTIVE_RUNS non-terminal runs."""
+
+    code = "capacity_exceeded"
+    status = 429
+
+
+class NodeLocked(RunstileError):
+    """Raised when another live process already holds this node's lock on the data directory."""
+
+    code = "node_locked"
+    status = 500
+
+
+class LeaseLost(RunstileError):
+    """Raised when a worker no longer holds the lease on the run it is executing."""
+
+    code = "lease_lost"
+    status = 409

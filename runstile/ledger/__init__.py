@@ -1,0 +1,1 @@
+"""The ledger: the single source of truth, and the only place with SQL (DESIGN §1)."""

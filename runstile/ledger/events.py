@@ -1,0 +1,35 @@
+"""Each run's durable event log (SPEC §3.3).  seq counts from 1 per run."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from . import db
+from .db import NOW
+
+
+def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = None) -> int:
+    """Append one event inside the caller's transaction; return its seq.
+
+    No race on seq: callers hold the write lock (BEGIN IMMEDIATE), and the primary key
+    (run_id, seq) would reject a duplicate on a database without one.
+    """
+    row = conn.execute(
+        "INSERT INTO events (run_id, seq, type, data, created_at) "
+        f"SELECT ?, COALESCE(MAX(seq), 0) + 1, ?, ?, {NOW} FROM events WHERE run_id = ? "
+        "RETURNING seq",
+        (run_id, type_, json.dumps({} if data is None else data, separators=(",", ":")), run_id),
+    ).fetchone()
+    return row[0]
+
+
+def after(conn: sqlite3.Connection, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[dict]:
+    """Events of a run with seq > after_seq, in order.  A single short read: no
+    transaction is held open between polls (it would block WAL checkpoints)."""
+    with db.ledger_errors():
+        rows = conn.execute(
+            "SELECT seq, type, data, created_at FROM events WHERE run_id = ? AND seq > ? "
+            "ORDER BY seq LIMIT ?", (run_id, after_seq, limit)).fetchall()
+    return [{"seq": r["seq"], "type": r["type"], "data": json.loads(r["data"]),
+             "created_at": r["created_at"]} for r in rows]

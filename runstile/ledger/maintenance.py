@@ -1,0 +1,58 @@
+"""`runstile db check` and `db backup`: integrity, invariants and consistent copies."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from . import db, migrations
+from .states import NON_TERMINAL, sql_list
+
+
+def check(conn: sqlite3.Connection) -> dict:
+    """Integrity and invariant report; ``ok`` is False if anything is wrong."""
+    problems: list[str] = []
+    with db.ledger_errors():
+        integrity = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+        if integrity != ["ok"]:
+            problems += [f"integrity: {line}" for line in integrity[:20]]
+        for row in conn.execute("PRAGMA foreign_key_check").fetchall()[:20]:
+            problems.append(f"foreign key: {tuple(row)}")
+        version = migrations.current_version(conn)
+        if version != migrations.LATEST_VERSION:
+            problems.append(f"schema version {version}, expected {migrations.LATEST_VERSION}")
+        else:
+            drift = conn.execute(
+                "SELECT p.id, p.active_runs, COUNT(r.seq) FROM profiles p LEFT JOIN runs r "
+                f"ON r.profile_id = p.id AND r.status IN {sql_list(NON_TERMINAL)} "
+                "GROUP BY p.id HAVING p.active_runs != COUNT(r.seq)").fetchall()
+            problems += [f"profile {p!r}: active_runs {a} but {c} unfinished runs"
+                         for p, a, c in drift]
+            orphans = conn.execute(
+                "SELECT COUNT(*) FROM idempotency_keys k LEFT JOIN runs r ON r.id = k.run_id "
+                "WHERE r.id IS NULL").fetchone()[0]
+            if orphans:
+                problems.append(f"{orphans} idempotency keys name a missing run")
+        counts = {}
+        if version == migrations.LATEST_VERSION:
+            for table in ("profiles", "api_keys", "runs", "idempotency_keys", "dispatches",
+                          "events", "key_tombstones", "run_tombstones"):
+                counts[table] = conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+            counts["runs_by_status"] = dict(conn.execute(
+                "SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall())
+        journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    return {"ok": not problems, "problems": problems, "schema_version": version,
+            "journal_mode": journal_mode, "counts": counts}
+
+
+def backup(conn: sqlite3.Connection, target: Path) -> int:
+    """Online, consistent copy through SQLite's backup API; returns the page count."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with db.ledger_errors():
+        dest = sqlite3.connect(str(target))
+        try:
+            conn.backup(dest)
+            pages = dest.execute("PRAGMA page_count").fetchone()[0]
+        finally:
+            dest.close()
+    return pages

@@ -1,0 +1,84 @@
+"""Numbered migrations, tracked in PRAGMA user_version; run once at start, never per connection.
+
+Each migration runs inside one BEGIN IMMEDIATE transaction that re-reads user_version
+after taking the write lock, so several processes starting at once apply each migration
+exactly once: the losers wait on the lock and then find nothing left to do.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from importlib import resources
+from pathlib import Path
+
+from ..errors import LedgerCorrupt
+from . import db
+
+
+def _schema_v1() -> str:
+    return resources.files(__package__).joinpath("schema.sql").read_text(encoding="utf-8")
+
+
+#: (version, SQL script).  Append only; never edit a migration that has shipped.
+MIGRATIONS: list[tuple[int, callable]] = [
+    (1, _schema_v1),
+]
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+def split_statements(script: str) -> list[str]:
+    """Split a script into statements; trigger bodies with inner ';' stay whole."""
+    statements, current = [], ""
+    for line in script.splitlines(keepends=True):
+        current += line
+        if sqlite3.complete_statement(current):
+            if current.strip():
+                statements.append(current.strip())
+            current = ""
+    if current.strip() and not all(
+        part.strip().startswith("--") or not part.strip() for part in current.splitlines()
+    ):
+        raise ValueError("migration script ends with an incomplete statement")
+    return statements
+
+
+def current_version(conn: sqlite3.Connection) -> int:
+    with db.ledger_errors():
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(path: Path, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000) -> int:
+    """Bring the ledger at ``path`` to LATEST_VERSION; return the version it was at."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = db.connect(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms)
+    try:
+        with db.ledger_errors():
+            # WAL lets readers proceed while one writer commits; it is a property of
+            # the file, so setting it once here is enough for every later connection.
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise LedgerCorrupt(f"could not switch the ledger to WAL (got {mode!r})")
+        start = current_version(conn)
+        if start > LATEST_VERSION:
+            raise LedgerCorrupt(
+                f"the ledger is at schema version {start}, newer than this runstile "
+                f"({LATEST_VERSION}); upgrade runstile"
+            )
+        for version, script in MIGRATIONS:
+            with db.transaction(conn):
+                if current_version(conn) >= version:
+                    continue  # another process applied it while we waited for the lock
+                for statement in split_statements(script()):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {int(version)}")
+                conn.execute(
+                    "INSERT INTO ledger_meta (name, value) VALUES ('schema_version', ?) "
+                    "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (str(version),))
+        return start
+    finally:
+        conn.close()
+
+
+def is_current(conn: sqlite3.Connection) -> bool:
+    return current_version(conn) == LATEST_VERSION

@@ -1,0 +1,46 @@
+"""Retention (SPEC §8): purge old terminal runs, leaving tombstones; purge old tombstones.
+
+Called by the scheduled recovery job in bounded batches, never on the request path.
+Non-terminal runs are never touched: the WHERE clause names terminal statuses only.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+from . import db
+from .db import NOW
+from .states import TERMINAL, sql_list
+
+
+@dataclass(frozen=True)
+class PurgeReport:
+    runs: int
+    tombstones: int
+
+
+def purge(conn: sqlite3.Connection, *, run_retention_s: float, key_tombstone_s: float,
+          batch: int = 500) -> PurgeReport:
+    """Purge one batch; call again while it reports a full batch."""
+    with db.transaction(conn):
+        victims = conn.execute(
+            f"SELECT id, profile_id, key_id FROM runs WHERE status IN {sql_list(TERMINAL)} "
+            f"AND finished_at IS NOT NULL AND finished_at <= {NOW} - ? LIMIT ?",
+            (run_retention_s, batch)).fetchall()
+        for run in victims:
+            conn.execute(
+                "INSERT INTO run_tombstones (run_id, profile_id, key_id, expires_at) "
+                f"VALUES (?, ?, ?, {NOW} + ?) ON CONFLICT (run_id) DO NOTHING",
+                (run["id"], run["profile_id"], run["key_id"], key_tombstone_s))
+            conn.execute(
+                "INSERT INTO key_tombstones (profile_id, key_id, idempotency_key, expires_at) "
+                f"SELECT profile_id, key_id, idempotency_key, {NOW} + ? FROM idempotency_keys "
+                "WHERE run_id = ? ON CONFLICT DO NOTHING", (key_tombstone_s, run["id"]))
+            conn.execute("DELETE FROM idempotency_keys WHERE run_id = ?", (run["id"],))
+            # Guarded on status again: a terminal row never changes, but say so in SQL.
+            conn.execute(f"DELETE FROM runs WHERE id = ? AND status IN {sql_list(TERMINAL)}",
+                         (run["id"],))
+        expired = conn.execute(f"DELETE FROM run_tombstones WHERE expires_at <= {NOW}").rowcount
+        expired += conn.execute(f"DELETE FROM key_tombstones WHERE expires_at <= {NOW}").rowcount
+    return PurgeReport(runs=len(victims), tombstones=expired)

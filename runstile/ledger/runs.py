@@ -1,0 +1,237 @@
+"""Runs: admission (SPEC §3.1 reservation), lookup and listing (SPEC §3.2)."""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..errors import (CapacityExceeded, IdempotencyKeyConflict, IdempotencyKeyExpired,
+                      LedgerUnavailable, RunIdConflict, RunstileError)
+from . import db, events
+from .db import NOW
+from .keys import Principal
+from .states import RunStatus
+
+#: How many times a reservation is re-read after a uniqueness race before giving up.
+#: Under SQLite's database-wide write lock a race cannot happen; the loop is for
+#: ledgers without one (SPEC §10) and costs nothing here.
+_RACE_RETRIES = 3
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """One validated POST /v1/runs, ready for the reservation transaction."""
+
+    principal: Principal
+    key: str | None            # effective idempotency key (header, or legacy-run:<id>)
+    key_is_derived: bool       # True when key is 'legacy-run:<run_id>'
+    run_id: str | None         # client-chosen run id
+    task: str
+    input_json: str
+    session_key: str | None
+    trigger_id: str | None
+    metadata_json: str | None
+    callback_url: str | None
+    fingerprint: str
+    fingerprint_version: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    run: dict
+    replayed: bool
+
+
+#: Called inside the admission transaction after the run row exists, so that an embedded
+#: broker can insert its message in the same transaction (no dual write).  Returns True
+#: when the dispatch is already delivered to the broker (sent_at is then set).
+Enqueue = Callable[[sqlite3.Connection, dict, int], bool]
+
+
+def new_run_id() -> str:
+    return "run_" + secrets.token_hex(16)
+
+
+def admit(conn: sqlite3.Connection, req: AdmissionRequest, *, refusal: RunstileError | None,
+          max_active_runs: int, enqueue: Enqueue | None = None) -> Admitted:
+    """Reserve and create (or replay) a run in one BEGIN IMMEDIATE transaction.
+
+    ``refusal`` is the error to raise *only* if a new run would be created (unknown
+    task, bad callback URL): checked by the caller before the transaction, raised here
+    so that replays always answer (SPEC §3.1).
+    """
+    for _ in range(_RACE_RETRIES):
+        try:
+            with db.transaction(conn):
+                return _reserve(conn, req, refusal, max_active_runs, enqueue)
+        except sqlite3.IntegrityError:
+            # Another writer created the same key or run id between our read and our
+            # insert.  It has committed, so re-reading answers as a replay or a 409.
+            continue
+    raise LedgerUnavailable("the admission kept racing with concurrent writers")
+
+
+def _reserve(conn, req: AdmissionRequest, refusal, max_active_runs, enqueue) -> Admitted:
+    scope = (req.principal.profile_id, req.principal.key_id)
+    if req.key is not None:
+        record = conn.execute(
+            "SELECT run_id, fingerprint, fingerprint_version FROM idempotency_keys "
+            "WHERE profile_id = ? AND key_id = ? AND idempotency_key = ?",
+            (*scope, req.key)).fetchone()
+        if record is not None:
+            if (record["fingerprint"], record["fingerprint_version"]) == (
+                    req.fingerprint, req.fingerprint_version):
+                return Admitted(_get(conn, record["run_id"]), replayed=True)
+            raise (RunIdConflict("this run id is already taken") if req.key_is_derived
+                   else IdempotencyKeyConflict(
+                       "this Idempotency-Key was used with a different request"))
+        if conn.execute("SELECT 1 FROM key_tombstones WHERE profile_id = ? AND key_id = ? "
+                        "AND idempotency_key = ?", (*scope, req.key)).fetchone():
+            raise IdempotencyKeyExpired(
+                "this Idempotency-Key belonged to a run that retention has purged")
+    if req.run_id is not None:
+        existing = conn.execute("SELECT * FROM runs WHERE id = ?", (req.run_id,)).fetchone()
+        if existing is not None:
+            same_scope = (existing["profile_id"], existing["key_id"]) == scope
+            if same_scope and (existing["fingerprint"], existing["fingerprint_version"]) == (
+                    req.fingerprint, req.fingerprint_version):
+                if req.key is not None:
+                    _bind_key(conn, req, req.run_id)
+                return Admitted(dict(existing), replayed=True)
+            raise RunIdConflict("this run id is already taken")
+        tomb = conn.execute("SELECT profile_id, key_id FROM run_tombstones WHERE run_id = ?",
+                            (req.run_id,)).fetchone()
+        if tomb is not None:
+            if (tomb["profile_id"], tomb["key_id"]) == scope:
+                raise IdempotencyKeyExpired("this run id belonged to a run that retention "
+                                            "has purged")
+            raise RunIdConflict("this run id is already taken")
+    if refusal is not None:
+        raise refusal
+    active = conn.execute("SELECT active_runs FROM profiles WHERE id = ?",
+                          (scope[0],)).fetchone()
+    if active is not None and active[0] >= max_active_runs:
+        raise CapacityExceeded(
+            f"this profile already has {active[0]} unfinished runs (limit {max_active_runs})")
+    run_id = req.run_id or new_run_id()
+    run = conn.execute(
+        "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
+        "metadata, callback_url, fingerprint, fingerprint_version, status, attempt, "
+        f"created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1, {NOW}, "
+        f"{NOW}) RETURNING *",
+        (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
+         req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version),
+    ).fetchone()
+    run = dict(run)
+    if req.key is not None:
+        _bind_key(conn, req, run_id)
+    add_dispatch(conn, run, "admitted", enqueue)
+    events.append(conn, run_id, "run.queued", {"attempt": 1})
+    return Admitted(run, replayed=False)
+
+
+def _bind_key(conn, req: AdmissionRequest, run_id: str) -> None:
+    conn.execute(
+        "INSERT INTO idempotency_keys (profile_id, key_id, idempotency_key, run_id, "
+        "fingerprint, fingerprint_version, derived, created_at) "
+        f"VALUES (?, ?, ?, ?, ?, ?, ?, {NOW})",
+        (req.principal.profile_id, req.principal.key_id, req.key, run_id, req.fingerprint,
+         req.fingerprint_version, int(req.key_is_derived)))
+
+
+def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
+    """Record that ``run`` must reach a worker; inside the caller's transaction."""
+    dispatch_id = conn.execute(
+        f"INSERT INTO dispatches (run_id, attempt, reason, created_at) VALUES (?, ?, ?, {NOW}) "
+        "RETURNING id", (run["id"], run["attempt"], reason)).fetchone()[0]
+    if enqueue is not None and enqueue(conn, run, dispatch_id):
+        conn.execute(f"UPDATE dispatches SET sent_at = {NOW} WHERE id = ? AND sent_at IS NULL",
+                     (dispatch_id,))
+    return dispatch_id
+
+
+def _get(conn, run_id: str) -> dict:
+    return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+
+
+def visible_clause(principal: Principal) -> tuple[str, tuple]:
+    """SQL condition and arguments limiting runs to what a key may see (SPEC §2.6)."""
+    if principal.is_admin:
+        return "profile_id = ?", (principal.profile_id,)
+    return "profile_id = ? AND key_id = ?", (principal.profile_id, principal.key_id)
+
+
+def get_visible(conn: sqlite3.Connection, principal: Principal, run_id: str) -> dict | None:
+    """The run if the principal may see it, else None (the caller answers 404)."""
+    where, args = visible_clause(principal)
+    with db.ledger_errors():
+        row = conn.execute(f"SELECT * FROM runs WHERE id = ? AND {where}",
+                           (run_id, *args)).fetchone()
+    return None if row is None else dict(row)
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    statuses: tuple[str, ...] = ()
+    task: str | None = None
+    session_key: str | None = None
+    idempotency_key: str | None = None
+    created_after: float | None = None
+    created_before: float | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter, *,
+                 before_seq: int | None, limit: int) -> tuple[list[dict], bool]:
+    """Newest first.  Keyset pagination on seq: a run admitted while a client pages
+    gets a larger seq than every cursor, so it can neither repeat nor shift a page."""
+    where, args = visible_clause(principal)
+    clauses, params = [where], list(args)
+    if flt.statuses:
+        clauses.append(f"status IN ({', '.join('?' for _ in flt.statuses)})")
+        params += [RunStatus(s).value for s in flt.statuses]
+    for column, value in (("task", flt.task), ("session_key", flt.session_key)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    if flt.idempotency_key is not None:
+        # Keys live in the caller's own scope, so the lookup gives 0 or 1 run.
+        clauses.append("id IN (SELECT run_id FROM idempotency_keys WHERE profile_id = ? "
+                       "AND key_id = ? AND idempotency_key = ?)")
+        params += [principal.profile_id, principal.key_id, flt.idempotency_key]
+    if flt.created_after is not None:
+        clauses.append("created_at > ?")
+        params.append(flt.created_after)
+    if flt.created_before is not None:
+        clauses.append("created_at < ?")
+        params.append(flt.created_before)
+    for key, value in flt.metadata:
+        clauses.append("EXISTS (SELECT 1 FROM json_each(runs.metadata) AS m "
+                       "WHERE m.key = ? AND m.value = ? AND m.type = 'text')")
+        params += [key, value]
+    if before_seq is not None:
+        clauses.append("seq < ?")
+        params.append(before_seq)
+    sql = f"SELECT * FROM runs WHERE {' AND '.join(clauses)} ORDER BY seq DESC LIMIT ?"
+    with db.ledger_errors():
+        rows = conn.execute(sql, (*params, limit + 1)).fetchall()
+    return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+
+def count_dispatches(conn: sqlite3.Connection, run_id: str) -> int:
+    with db.ledger_errors():
+        return conn.execute("SELECT COUNT(*) FROM dispatches WHERE run_id = ?",
+                            (run_id,)).fetchone()[0]
+
+
+def statuses_known(values: Iterable[str]) -> bool:
+    known = {s.value for s in RunStatus}
+    return all(v in known for v in values)
+
+
+def status_of(conn: sqlite3.Connection, run_id: str) -> str | None:
+    with db.ledger_errors():
+        row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+    return None if row is None else row[0]

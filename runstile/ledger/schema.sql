@@ -1,0 +1,174 @@
+-- runstile ledger, schema version 1 (applied by migrations.py; PRAGMA user_version).
+--
+-- The ledger is the single source of truth (SPEC §1).  All SQL lives in runstile/ledger/.
+-- Times are Unix seconds (REAL, millisecond precision) taken from the ledger's clock
+-- (db.NOW), so that every process compares leases and retention against one clock.
+-- Statuses (ledger/states.py): queued, running, stopping, waiting_for_approval, paused
+-- (non-terminal); completed, failed, cancelled, interrupted (terminal).
+
+-- ledger_meta: facts about this ledger file.  Written by migrations only.
+CREATE TABLE ledger_meta (
+    name  TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+
+-- profiles: tenants.  Created by `runstile keys create` when a profile is new.
+-- active_runs counts the profile's non-terminal runs; it is kept exact by the triggers
+-- on runs below, never written by application code, and checked by `runstile db check`.
+CREATE TABLE profiles (
+    id          TEXT PRIMARY KEY,
+    created_at  REAL NOT NULL,
+    active_runs INTEGER NOT NULL DEFAULT 0 CHECK (active_runs >= 0)
+);
+
+-- api_keys: one row per key.  Written by `runstile keys create|rotate|revoke`.
+-- id is stable for the key's life (scopes hang on it); the secret is never stored,
+-- only its SHA-256.  Revocation is a timestamp so that it shows in `keys list`.
+CREATE TABLE api_keys (
+    id          TEXT PRIMARY KEY,                       -- 'key_' + 16 hex
+    profile_id  TEXT NOT NULL REFERENCES profiles(id),
+    label       TEXT,
+    role        TEXT NOT NULL CHECK (role IN ('client', 'admin')),
+    secret_hash TEXT NOT NULL,                          -- sha256 hex of the secret
+    created_at  REAL NOT NULL,
+    rotated_at  REAL,
+    revoked_at  REAL
+);
+
+-- runs: one row per admitted run.  Inserted by admission (ledger/runs.py admit); every
+-- later change is one guarded UPDATE in ledger/ that names the status it expects.
+-- seq orders runs by admission (list cursors, session order); id is the public id and
+-- is unique across every scope (a client run id is taken "anywhere", SPEC §3.1).
+-- (profile_id, key_id) is the scope that admitted the run.
+CREATE TABLE runs (
+    seq                 INTEGER PRIMARY KEY AUTOINCREMENT,
+    id                  TEXT NOT NULL UNIQUE,
+    profile_id          TEXT NOT NULL REFERENCES profiles(id),
+    key_id              TEXT NOT NULL REFERENCES api_keys(id),
+    task                TEXT NOT NULL,
+    input               TEXT NOT NULL,                  -- JSON
+    session_key         TEXT,
+    trigger_id          TEXT,
+    metadata            TEXT,                           -- JSON object or NULL
+    callback_url        TEXT,
+    fingerprint         TEXT NOT NULL,                  -- sha256 hex of the JCS body
+    fingerprint_version INTEGER NOT NULL,
+    status              TEXT NOT NULL CHECK (status IN ('queued', 'running', 'stopping',
+                            'waiting_for_approval', 'paused', 'completed', 'failed',
+                            'cancelled', 'interrupted')),
+    attempt             INTEGER NOT NULL DEFAULT 1 CHECK (attempt >= 1),
+    result              TEXT,                           -- JSON, when completed
+    error_code          TEXT,
+    error_message       TEXT,
+    recovery_attempts   INTEGER NOT NULL DEFAULT 0,
+    recovery_reason     TEXT,
+    created_at          REAL NOT NULL,
+    updated_at          REAL NOT NULL,
+    started_at          REAL,
+    finished_at         REAL
+);
+CREATE INDEX runs_by_scope   ON runs (profile_id, key_id, seq);
+CREATE INDEX runs_by_profile ON runs (profile_id, seq);
+CREATE INDEX runs_by_session ON runs (profile_id, key_id, session_key, seq)
+    WHERE session_key IS NOT NULL;
+CREATE INDEX runs_by_status  ON runs (status, seq);
+CREATE INDEX runs_finished   ON runs (finished_at) WHERE finished_at IS NOT NULL;
+
+-- A terminal run never changes status again (SPEC §4); this is the ledger's own guard
+-- beneath the guarded UPDATEs.
+CREATE TRIGGER runs_terminal_is_final BEFORE UPDATE OF status ON runs
+WHEN old.status IN ('completed', 'failed', 'cancelled', 'interrupted')
+     AND new.status IS NOT old.status
+BEGIN
+    SELECT RAISE(ABORT, 'a terminal run never changes status');
+END;
+
+-- Keep profiles.active_runs exact whatever code path changes a status.
+CREATE TRIGGER runs_active_on_insert AFTER INSERT ON runs
+WHEN new.status NOT IN ('completed', 'failed', 'cancelled', 'interrupted')
+BEGIN
+    UPDATE profiles SET active_runs = active_runs + 1 WHERE id = new.profile_id;
+END;
+CREATE TRIGGER runs_active_on_finish AFTER UPDATE OF status ON runs
+WHEN old.status NOT IN ('completed', 'failed', 'cancelled', 'interrupted')
+     AND new.status IN ('completed', 'failed', 'cancelled', 'interrupted')
+BEGIN
+    UPDATE profiles SET active_runs = active_runs - 1 WHERE id = new.profile_id;
+END;
+CREATE TRIGGER runs_active_on_delete AFTER DELETE ON runs
+WHEN old.status NOT IN ('completed', 'failed', 'cancelled', 'interrupted')
+BEGIN
+    UPDATE profiles SET active_runs = active_runs - 1 WHERE id = old.profile_id;
+END;
+
+-- idempotency_keys: (scope, key) -> run.  Inserted by admission, in the same
+-- transaction as the run it names (new run) or when a replay binds a new key to an
+-- existing client run id.  derived = 1 for 'legacy-run:<run_id>' keys made from a body
+-- run_id.  Deleted only by retention, which leaves a key tombstone behind.
+CREATE TABLE idempotency_keys (
+    profile_id          TEXT NOT NULL,
+    key_id              TEXT NOT NULL,
+    idempotency_key     TEXT NOT NULL,
+    run_id              TEXT NOT NULL REFERENCES runs(id),
+    fingerprint         TEXT NOT NULL,
+    fingerprint_version INTEGER NOT NULL,
+    derived             INTEGER NOT NULL DEFAULT 0,
+    created_at          REAL NOT NULL,
+    PRIMARY KEY (profile_id, key_id, idempotency_key)
+) WITHOUT ROWID;
+CREATE INDEX idempotency_keys_by_run ON idempotency_keys (run_id);
+
+-- key_tombstones / run_tombstones: what retention purged, remembered until expires_at so
+-- that a late retry answers 410 instead of silently creating a second run (SPEC §8).
+-- Written by retention only; expired rows are purged by retention too.
+CREATE TABLE key_tombstones (
+    profile_id      TEXT NOT NULL,
+    key_id          TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    expires_at      REAL NOT NULL,
+    PRIMARY KEY (profile_id, key_id, idempotency_key)
+) WITHOUT ROWID;
+CREATE TABLE run_tombstones (
+    run_id     TEXT PRIMARY KEY,
+    profile_id TEXT NOT NULL,
+    key_id     TEXT NOT NULL,
+    expires_at REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX key_tombstones_expiry ON key_tombstones (expires_at);
+CREATE INDEX run_tombstones_expiry ON run_tombstones (expires_at);
+
+-- dispatches: "this run must be handed to a worker".  Inserted in the same transaction
+-- as the change that makes a run claimable (admission, re-queue).  sent_at stays NULL
+-- until a broker accepted the message (the embedded broker sets it in that same
+-- transaction); recovery re-publishes rows left unsent (SPEC §5, §6.2).
+CREATE TABLE dispatches (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id     TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    attempt    INTEGER NOT NULL,
+    reason     TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    sent_at    REAL
+);
+CREATE INDEX dispatches_by_run ON dispatches (run_id);
+CREATE INDEX dispatches_unsent ON dispatches (created_at) WHERE sent_at IS NULL;
+
+-- events: each run's durable event log, seq from 1 (SPEC §3.3).  Appended in the same
+-- transaction as the transition or emit that causes it; never updated; deleted with
+-- their run by retention.
+CREATE TABLE events (
+    run_id     TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    seq        INTEGER NOT NULL,
+    type       TEXT NOT NULL,
+    data       TEXT NOT NULL,                           -- JSON
+    created_at REAL NOT NULL,
+    PRIMARY KEY (run_id, seq)
+) WITHOUT ROWID;
+
+-- nodes: one row per node id.  generation grows by one each time a process takes the
+-- node's flock (SPEC §5): owners of earlier generations are dead by definition, so
+-- recovery treats their leases as expired at once.  Written only by the lock holder.
+CREATE TABLE nodes (
+    id         TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL DEFAULT 0,
+    booted_at  REAL
+);

@@ -1,0 +1,50 @@
+"""Run statuses and the transitions SPEC §4 allows.  Pure: no I/O."""
+
+from __future__ import annotations
+
+import enum
+
+
+class RunStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    WAITING_FOR_APPROVAL = "waiting_for_approval"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED,
+                      RunStatus.INTERRUPTED})
+NON_TERMINAL = frozenset(RunStatus) - TERMINAL
+
+#: Every edge of SPEC §4's lifecycle diagram.
+TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.QUEUED: frozenset({RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.FAILED}),
+    RunStatus.RUNNING: frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.QUEUED,
+                                  RunStatus.WAITING_FOR_APPROVAL, RunStatus.STOPPING,
+                                  RunStatus.PAUSED, RunStatus.INTERRUPTED}),
+    RunStatus.WAITING_FOR_APPROVAL: frozenset({RunStatus.QUEUED, RunStatus.CANCELLED}),
+    RunStatus.STOPPING: frozenset({RunStatus.CANCELLED}),
+    RunStatus.PAUSED: frozenset({RunStatus.QUEUED, RunStatus.CANCELLED}),
+    RunStatus.COMPLETED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+    RunStatus.INTERRUPTED: frozenset(),
+}
+
+
+def can_transition(source: RunStatus | str, target: RunStatus | str) -> bool:
+    return RunStatus(target) in TRANSITIONS[RunStatus(source)]
+
+
+def sql_list(statuses) -> str:
+    """A literal SQL list of statuses, for queries over fixed sets (no user input)."""
+    return "(" + ", ".join(f"'{RunStatus(s).value}'" for s in sorted(statuses, key=str)) + ")"

@@ -1,0 +1,66 @@
+"""Public JSON shapes (SPEC §3.2): the run object and event object, from ledger rows.
+
+Shared by the web tier and (later) webhook payloads, so a run looks the same wherever
+a client meets it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+
+def rfc3339(ts: float | None) -> str | None:
+    """Unix seconds -> RFC 3339 UTC with milliseconds, e.g. 2026-11-29T18:31:30.123Z."""
+    if ts is None:
+        return None
+    moment = dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def parse_rfc3339(text: str) -> float:
+    """RFC 3339 -> Unix seconds; raises ValueError (a timezone is required)."""
+    value = dt.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if value.tzinfo is None:
+        raise ValueError("a timezone (Z or ±hh:mm) is required")
+    return value.timestamp()
+
+
+def _json(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def run_object(row: dict) -> dict:
+    error = None
+    if row.get("error_code"):
+        error = {"code": row["error_code"], "message": row.get("error_message") or ""}
+    recovery = None
+    if row.get("recovery_attempts") or row.get("recovery_reason"):
+        recovery = {"attempts": row.get("recovery_attempts") or 0,
+                    "reason": row.get("recovery_reason")}
+    return {
+        "object": "run",
+        "id": row["id"],
+        "status": row["status"],
+        "task": row["task"],
+        "input": _json(row["input"]),
+        "session_key": row["session_key"],
+        "trigger_id": row["trigger_id"],
+        "metadata": _json(row["metadata"]),
+        "callback_url": row["callback_url"],
+        "created_at": rfc3339(row["created_at"]),
+        "updated_at": rfc3339(row["updated_at"]),
+        "started_at": rfc3339(row["started_at"]),
+        "finished_at": rfc3339(row["finished_at"]),
+        "attempt": row["attempt"],
+        "result": _json(row["result"]),
+        "error": error,
+        "approval": _json(row.get("approval")),
+        "recovery": recovery,
+    }
+
+
+def event_object(event: dict) -> dict:
+    return {"seq": event["seq"], "type": event["type"], "data": event["data"],
+            "created_at": rfc3339(event["created_at"])}

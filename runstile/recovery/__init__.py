@@ -1,0 +1,1 @@
+"""Recovery: the boot barrier, journal reconciliation and drain (SPEC §6)."""

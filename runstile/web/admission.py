@@ -1,0 +1,187 @@
+"""Turning a POST /v1/runs into an AdmissionRequest, check by check in SPEC §3.1 order.
+
+Order after auth: body size → content type → JSON → Idempotency-Key syntax → schema →
+run_id syntax.  The checks that apply only to new runs (callback_url, task known,
+capacity) are decided here but *raised* inside the reservation, so replays answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, InvalidRequest,
+                      InvalidRunId, PayloadTooLarge, RunstileError, UnknownTask,
+                      UnsupportedMediaType)
+from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
+from ..ledger.keys import Principal
+from ..ledger.runs import AdmissionRequest
+from ..netguard import callback_refusal
+
+RUN_ID_PATTERN = "run_[0-9a-f]{32}"
+_RUN_ID = re.compile(RUN_ID_PATTERN)
+#: Idempotency keys: 1-255 visible ASCII characters (code points 33-126).
+_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+LEGACY_PREFIX = "legacy-run:"
+FIELDS = {"task", "input", "run_id", "session_key", "trigger_id", "callback_url", "metadata"}
+MAX_METADATA_KEYS = 32
+MAX_METADATA_VALUE = 512
+MAX_METADATA_KEY = 128
+MAX_TEXT = 256
+MAX_TASK_NAME = 128
+
+
+def read_body(request, max_body_bytes: int) -> bytes:
+    """The raw body, refusing more than the cap whether or not Content-Length is sent."""
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise PayloadTooLarge(f"the body is larger than {max_body_bytes} bytes")
+    try:
+        # MAX_CONTENT_LENGTH makes werkzeug stop a chunked body at the cap as well.
+        return request.get_data(cache=True)
+    except RequestEntityTooLarge:
+        raise PayloadTooLarge(f"the body is larger than {max_body_bytes} bytes") from None
+
+
+def require_json_content_type(request) -> None:
+    mimetype = (request.mimetype or "").lower()
+    if mimetype != "application/json" and not (
+            mimetype.startswith("application/") and mimetype.endswith("+json")):
+        raise UnsupportedMediaType("send the body as application/json")
+    charset = request.mimetype_params.get("charset")
+    if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        raise UnsupportedMediaType("the body must be UTF-8")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate object key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict I-JSON: UTF-8, no NaN/Infinity, no duplicate keys."""
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_pairs)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InvalidJson(f"the body is not valid JSON: {exc}") from None
+
+
+def parse_idempotency_key(headers) -> str | None:
+    if "Idempotency-Key" not in headers:
+        return None
+    values = headers.getlist("Idempotency-Key")
+    if len(values) != 1:
+        raise InvalidIdempotencyKey("send at most one Idempotency-Key header")
+    key = values[0]
+    if not _KEY.fullmatch(key):
+        raise InvalidIdempotencyKey(
+            "Idempotency-Key must be 1-255 visible ASCII characters (no spaces); "
+            "an empty value is invalid")
+    if key.startswith(LEGACY_PREFIX):
+        raise InvalidIdempotencyKey(f"the prefix {LEGACY_PREFIX!r} is reserved")
+    return key
+
+
+def _text(body: dict, name: str, limit: int = MAX_TEXT, *, no_control: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= limit:
+        raise InvalidRequest(f"{name} must be a string of 1-{limit} characters", field=name)
+    if no_control and any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        raise InvalidRequest(f"{name} must not contain control characters", field=name)
+    return value
+
+
+def _metadata(body: dict) -> dict | None:
+    value = body.get("metadata")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("metadata must be an object", field="metadata")
+    if len(value) > MAX_METADATA_KEYS:
+        raise InvalidRequest(f"metadata has more than {MAX_METADATA_KEYS} keys", field="metadata")
+    for key, item in value.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY:
+            raise InvalidRequest(f"metadata keys must be 1-{MAX_METADATA_KEY} characters",
+                                 field="metadata")
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            raise InvalidRequest(f"metadata.{key} must be a string of at most "
+                                 f"{MAX_METADATA_VALUE} characters", field=f"metadata.{key}")
+    return value
+
+
+def build(request, principal: Principal, *, settings, task_names) -> tuple[AdmissionRequest, RunstileError | None]:
+    """Validate one POST /v1/runs; return the request and the refusal for a new run."""
+    raw = read_body(request, settings.max_body_bytes)
+    require_json_content_type(request)
+    body = parse_json(raw)
+    header_key = parse_idempotency_key(request.headers)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown field {unknown[0]!r}", field=unknown[0])
+    task = _text(body, "task", MAX_TASK_NAME)
+    if task is None and settings.default_task is None:
+        raise InvalidRequest("task is required", field="task")
+    run_id = body.get("run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise InvalidRequest("run_id must be a string", field="run_id")
+    session_key = _text(body, "session_key", no_control=True)
+    trigger_id = _text(body, "trigger_id")
+    callback_url = body.get("callback_url")
+    if callback_url is not None and not isinstance(callback_url, str):
+        raise InvalidRequest("callback_url must be a string", field="callback_url")
+    metadata = _metadata(body)
+    if run_id is not None and not _RUN_ID.fullmatch(run_id):
+        raise InvalidRunId(f"run_id must look like run_<32 lowercase hex>, matching "
+                           f"{RUN_ID_PATTERN} in full", field="run_id")
+    normalised = {
+        "task": task, "input": body.get("input"), "run_id": run_id,
+        "session_key": session_key, "trigger_id": trigger_id,
+        "callback_url": callback_url, "metadata": metadata,
+    }
+    try:
+        digest = fingerprint(normalised)
+    except NotCanonicalisable as exc:
+        raise InvalidRequest(f"input cannot be canonicalised (RFC 8785): {exc}",
+                             field="input") from None
+    if header_key is not None:
+        key, derived = header_key, False
+    elif run_id is not None:
+        key, derived = LEGACY_PREFIX + run_id, True
+    else:
+        key, derived = None, False
+    effective_task = task or settings.default_task
+    refusal: RunstileError | None = None
+    reason = None if callback_url is None else callback_refusal(callback_url,
+                                                                 settings.callback_allowlist)
+    if reason is not None:
+        refusal = InvalidCallbackUrl(reason, field="callback_url")
+    elif effective_task not in task_names:
+        refusal = UnknownTask(f"no task named {effective_task!r} is registered", field="task")
+    dumps = _compact
+    return AdmissionRequest(
+        principal=principal, key=key, key_is_derived=derived, run_id=run_id,
+        task=effective_task, input_json=dumps(body.get("input")), session_key=session_key,
+        trigger_id=trigger_id, metadata_json=None if metadata is None else dumps(metadata),
+        callback_url=callback_url, fingerprint=digest,
+        fingerprint_version=FINGERPRINT_VERSION,
+    ), refusal
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,56 @@
+"""The one place errors become HTTP answers: ``{"error": {"code", "message", ...}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from ..errors import (CapacityExceeded, LedgerUnavailable, MethodNotAllowed, PayloadTooLarge,
+                      RouteNotFound, RunstileError, Unauthorized)
+from .state import state
+
+log = logging.getLogger("runstile.web")
+
+_HTTP = {404: RouteNotFound, 405: MethodNotAllowed, 413: PayloadTooLarge}
+
+
+def error_response(exc: RunstileError):
+    body = {"code": exc.code, "message": exc.message}
+    if not isinstance(exc, Unauthorized):  # a 401 carries no detail (SPEC §3)
+        body.update(exc.details)
+    response = jsonify({"error": body})
+    response.status_code = exc.status
+    if isinstance(exc, Unauthorized):
+        response.headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, (LedgerUnavailable, CapacityExceeded)):
+        response.headers["Retry-After"] = str(state().settings.retry_after_s)
+    return response
+
+
+def install(app: Flask) -> None:
+    @app.errorhandler(RunstileError)
+    def _runstile(exc: RunstileError):
+        if isinstance(exc, LedgerUnavailable):
+            log.warning("ledger unavailable: %s", exc.message)
+            state().pool.discard()  # the connection may be broken; reopen next time
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        cls = _HTTP.get(exc.code or 500)
+        if cls is not None:
+            response = error_response(cls())
+        else:
+            err = RunstileError(exc.description or exc.name)
+            err.code, err.status = (exc.name or "error").lower().replace(" ", "_"), exc.code or 500
+            response = error_response(err)
+        if exc.code == 405 and exc.valid_methods:
+            response.headers["Allow"] = ", ".join(exc.valid_methods)
+        return response
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unexpected error")
+        return error_response(RunstileError("an unexpected error occurred; it has been logged"))

@@ -1,0 +1,38 @@
+"""Prometheus metrics.  With several web processes, prometheus_client's multiprocess
+mode (PROMETHEUS_MULTIPROC_DIR, set by ``runstile serve`` before any process starts)
+aggregates every process's samples into each /metrics answer."""
+
+from __future__ import annotations
+
+import os
+
+from flask import Flask
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+from prometheus_client import multiprocess
+
+ADMISSIONS = Counter("runstile_admissions_total",
+                     "POST /v1/runs answers by outcome (created, replayed or error code)",
+                     ["outcome"])
+ADMISSION_SECONDS = Histogram(
+    "runstile_admission_seconds", "Time to answer POST /v1/runs, including the commit",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+
+
+def observe_admission(outcome: str, seconds: float) -> None:
+    ADMISSIONS.labels(outcome=outcome).inc()
+    ADMISSION_SECONDS.observe(seconds)
+
+
+def render() -> tuple[bytes, str]:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    from prometheus_client import REGISTRY
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def install(app: Flask) -> None:
+    """Nothing per-app yet: metrics are per process; kept as the hook for later gauges."""
+    del app

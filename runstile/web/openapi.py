@@ -1,0 +1,209 @@
+"""The OpenAPI 3.1 document served at /openapi.json; a test checks it covers every route."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .. import __version__
+from ..ledger.states import RunStatus
+
+_TEXT = {"type": "string"}
+_NULL_TEXT = {"type": ["string", "null"]}
+_TIME = {"type": ["string", "null"], "format": "date-time"}
+
+
+def _error(description: str) -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _json(ref: str, description: str) -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+_RUN_ID_PARAM = {"name": "run_id", "in": "path", "required": True,
+                 "schema": {"type": "string"}}
+_AUTH_ERRORS = {"401": _error("missing, malformed, unknown or revoked key"),
+                "503": _error("run_storage_unavailable: the ledger is unavailable; retry")}
+
+_SCHEMAS = {
+    "Error": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {
+            "type": "object", "required": ["code", "message"],
+            "properties": {"code": _TEXT, "message": _TEXT, "field": _TEXT},
+        }},
+    },
+    "RunCreate": {
+        "type": "object", "additionalProperties": False,
+        "properties": {
+            "task": {"type": "string", "minLength": 1, "maxLength": 128},
+            "input": {},
+            "run_id": {"type": "string", "pattern": "^run_[0-9a-f]{32}$"},
+            "session_key": {"type": "string", "minLength": 1, "maxLength": 256},
+            "trigger_id": {"type": "string", "minLength": 1, "maxLength": 256},
+            "callback_url": {"type": "string", "format": "uri", "maxLength": 2048},
+            "metadata": {"type": "object", "maxProperties": 32,
+                         "additionalProperties": {"type": "string", "maxLength": 512}},
+        },
+    },
+    "Run": {
+        "type": "object",
+        "required": ["object", "id", "status", "task", "input", "created_at", "attempt"],
+        "properties": {
+            "object": {"const": "run"},
+            "id": {"type": "string", "pattern": "^run_[0-9a-f]{32}$"},
+            "status": {"enum": [s.value for s in RunStatus]},
+            "task": _TEXT, "input": {},
+            "session_key": _NULL_TEXT, "trigger_id": _NULL_TEXT,
+            "metadata": {"type": ["object", "null"],
+                         "additionalProperties": {"type": "string"}},
+            "callback_url": _NULL_TEXT,
+            "created_at": _TIME, "updated_at": _TIME, "started_at": _TIME,
+            "finished_at": _TIME,
+            "attempt": {"type": "integer", "minimum": 1},
+            "result": {},
+            "error": {"type": ["object", "null"],
+                      "properties": {"code": _TEXT, "message": _TEXT}},
+            "approval": {"type": ["object", "null"]},
+            "recovery": {"type": ["object", "null"],
+                         "properties": {"attempts": {"type": "integer"},
+                                        "reason": _NULL_TEXT}},
+            "replayed": {"type": "boolean"},
+        },
+    },
+    "RunList": {
+        "type": "object", "required": ["object", "data", "has_more", "next_cursor"],
+        "properties": {"object": {"const": "list"},
+                       "data": {"type": "array", "items": {"$ref": "#/components/schemas/Run"}},
+                       "has_more": {"type": "boolean"}, "next_cursor": _NULL_TEXT},
+    },
+    "Event": {
+        "type": "object", "required": ["seq", "type", "data", "created_at"],
+        "properties": {"seq": {"type": "integer", "minimum": 1}, "type": _TEXT, "data": {},
+                       "created_at": _TIME},
+    },
+    "EventList": {
+        "type": "object", "required": ["data", "next_after"],
+        "properties": {"data": {"type": "array",
+                                "items": {"$ref": "#/components/schemas/Event"}},
+                       "next_after": {"type": "integer", "minimum": 0}},
+    },
+    "Capabilities": {"type": "object"},
+    "Health": {"type": "object"},
+}
+
+
+def _list_parameters() -> list[dict]:
+    query = lambda name, schema, desc: {"name": name, "in": "query", "required": False,
+                                        "schema": schema, "description": desc}
+    return [
+        {"name": "status", "in": "query", "required": False, "style": "form", "explode": True,
+         "schema": {"type": "array", "items": {"enum": [s.value for s in RunStatus]}},
+         "description": "repeatable"},
+        query("task", _TEXT, "exact task name"),
+        query("session_key", _TEXT, "exact session key"),
+        query("idempotency_key", _TEXT, "exact lookup in the caller's scope (0 or 1 run)"),
+        query("created_after", {"type": "string", "format": "date-time"}, "RFC 3339"),
+        query("created_before", {"type": "string", "format": "date-time"}, "RFC 3339"),
+        query("limit", {"type": "integer", "minimum": 1, "maximum": 200, "default": 20}, ""),
+        query("cursor", _TEXT, "next_cursor of the previous page"),
+    ]
+
+
+@lru_cache(maxsize=1)
+def document() -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "runstile", "version": __version__,
+                 "description": "Durable, idempotent run admission with at-most-once "
+                                "execution. Errors are {\"error\": {\"code\", \"message\"}}."},
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/runs": {
+                "post": {
+                    "operationId": "createRun", "summary": "Admit a run (idempotent)",
+                    "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                                    "schema": {"type": "string", "pattern": "^[!-~]{1,255}$"}}],
+                    "requestBody": {"required": True, "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/RunCreate"}}}},
+                    "responses": {
+                        "202": _json("Run", "admitted, or a replay (Idempotency-Replayed: true)"),
+                        "400": _error("invalid_json, invalid_request, invalid_idempotency_key, "
+                                      "invalid_run_id, invalid_callback_url or unknown_task"),
+                        "409": _error("idempotency_key_conflict or run_id_conflict"),
+                        "410": _error("idempotency_key_expired"),
+                        "413": _error("payload_too_large"),
+                        "415": _error("unsupported_media_type"),
+                        "429": _error("capacity_exceeded (Retry-After)"),
+                        **_AUTH_ERRORS,
+                    },
+                },
+                "get": {
+                    "operationId": "listRuns", "summary": "List runs, newest first",
+                    "parameters": _list_parameters(),
+                    "responses": {"200": _json("RunList", "one page"),
+                                  "400": _error("invalid_request"), **_AUTH_ERRORS},
+                },
+            },
+            "/v1/runs/{run_id}": {
+                "get": {
+                    "operationId": "getRun", "summary": "Read one run",
+                    "parameters": [_RUN_ID_PARAM],
+                    "responses": {"200": _json("Run", "the run"),
+                                  "404": _error("run_not_found"), **_AUTH_ERRORS},
+                },
+            },
+            "/v1/runs/{run_id}/events": {
+                "get": {
+                    "operationId": "runEvents",
+                    "summary": "A run's events: SSE by default, JSON with Accept: application/json",
+                    "parameters": [
+                        _RUN_ID_PARAM,
+                        {"name": "after", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 0}},
+                        {"name": "Last-Event-ID", "in": "header", "required": False,
+                         "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": {"description": "events after the given seq", "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/EventList"}},
+                            "text/event-stream": {"schema": {"type": "string"}}}},
+                        "400": _error("invalid_request"),
+                        "404": _error("run_not_found"), **_AUTH_ERRORS,
+                    },
+                },
+            },
+            "/v1/capabilities": {
+                "get": {"operationId": "capabilities", "summary": "The contract, machine-readable",
+                        "responses": {"200": _json("Capabilities", "capabilities"),
+                                      **_AUTH_ERRORS}},
+            },
+            "/healthz": {
+                "get": {"operationId": "healthz", "summary": "Process alive", "security": [],
+                        "responses": {"200": _json("Health", "alive")}},
+            },
+            "/readyz": {
+                "get": {"operationId": "readyz", "security": [],
+                        "summary": "Ledger open, migrated and recovered",
+                        "responses": {"200": _json("Health", "ready"),
+                                      "503": _json("Health", "not ready (Retry-After)")}},
+            },
+            "/metrics": {
+                "get": {"operationId": "metrics", "summary": "Prometheus text", "security": [],
+                        "responses": {"200": {"description": "metrics", "content": {
+                            "text/plain": {"schema": {"type": "string"}}}}}},
+            },
+            "/openapi.json": {
+                "get": {"operationId": "openapi", "summary": "This document", "security": [],
+                        "responses": {"200": {"description": "OpenAPI 3.1", "content": {
+                            "application/json": {"schema": {"type": "object"}}}}}},
+            },
+        },
+    }

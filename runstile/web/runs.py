@@ -1,0 +1,228 @@
+"""/v1/runs: admission, reading and the event log (SPEC §3.1-§3.3)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import threading
+import time
+
+from flask import Blueprint, Response, jsonify, request
+
+from ..errors import InvalidRequest, RunNotFound, RunstileError, StreamsExhausted
+from ..ledger import events, runs
+from ..ledger.states import TERMINAL, RunStatus
+from ..objects import event_object, parse_rfc3339, run_object
+from . import admission, metrics
+from .auth import authenticate, principal
+from .state import conn, state
+
+blueprint = Blueprint("runs", __name__)
+
+#: Event types that end a run's stream (SPEC §3.3: it closes after the terminal event).
+TERMINAL_EVENTS = frozenset(f"run.{status.value}" for status in TERMINAL)
+#: Seconds between polls of the event log while a stream is idle.
+STREAM_POLL_S = 0.05
+LIST_PARAMS = {"status", "task", "session_key", "idempotency_key", "created_after",
+               "created_before", "limit", "cursor"}
+
+
+@blueprint.before_request
+def _authenticate() -> None:
+    authenticate()
+
+
+def _crashpoint(name: str) -> None:
+    """Die here, without cleanup, when tests ask for this named crash point."""
+    if state().settings.crashpoint == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@blueprint.post("/v1/runs")
+def create_run():
+    started = time.perf_counter()
+    outcome = "error"
+    try:
+        settings = state().settings
+        req, refusal = admission.build(request, principal(), settings=settings,
+                                       task_names=state().task_names)
+        admitted = runs.admit(conn(), req, refusal=refusal,
+                              max_active_runs=settings.max_active_runs)
+        _crashpoint("after_admit_commit")
+        outcome = "replayed" if admitted.replayed else "created"
+    except RunstileError as exc:
+        outcome = exc.code
+        raise
+    finally:
+        metrics.observe_admission(outcome, time.perf_counter() - started)
+    body = run_object(admitted.run)
+    body["replayed"] = admitted.replayed
+    response = jsonify(body)
+    response.status_code = 202
+    response.headers["Location"] = f"/v1/runs/{admitted.run['id']}"
+    if admitted.replayed:
+        response.headers["Idempotency-Replayed"] = "true"
+    return response
+
+
+def visible_run(run_id: str) -> dict:
+    run = runs.get_visible(conn(), principal(), run_id)
+    if run is None:
+        raise RunNotFound("no such run")
+    return run
+
+
+@blueprint.get("/v1/runs/<run_id>")
+def get_run(run_id: str):
+    return jsonify(run_object(visible_run(run_id)))
+
+
+def _encode_cursor(seq: int) -> str:
+    return base64.urlsafe_b64encode(f"v1:{seq}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(text: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        version, _, seq = raw.partition(":")
+        if version != "v1" or not seq.isdigit():
+            raise ValueError
+        return int(seq)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("cursor is not one this API returned", field="cursor") from None
+
+
+def _time_param(name: str) -> float | None:
+    value = request.args.get(name)
+    if value is None:
+        return None
+    try:
+        return parse_rfc3339(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an RFC 3339 time with a timezone",
+                             field=name) from None
+
+
+def _list_filter() -> runs.RunFilter:
+    for name in request.args:
+        if name not in LIST_PARAMS and not name.startswith("metadata."):
+            raise InvalidRequest(f"unknown query parameter {name!r}", field=name)
+    statuses = tuple(request.args.getlist("status"))
+    if not runs.statuses_known(statuses):
+        raise InvalidRequest("status must be one of " + ", ".join(s.value for s in RunStatus),
+                             field="status")
+    metadata = tuple((name.removeprefix("metadata."), value)
+                     for name in request.args for value in request.args.getlist(name)
+                     if name.startswith("metadata."))
+    if any(not key for key, _ in metadata):
+        raise InvalidRequest("metadata filters look like metadata.<key>=<value>",
+                             field="metadata")
+    return runs.RunFilter(
+        statuses=statuses, task=request.args.get("task"),
+        session_key=request.args.get("session_key"),
+        idempotency_key=request.args.get("idempotency_key"),
+        created_after=_time_param("created_after"),
+        created_before=_time_param("created_before"), metadata=metadata)
+
+
+@blueprint.get("/v1/runs")
+def list_runs():
+    flt = _list_filter()
+    raw_limit = request.args.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 200:
+        raise InvalidRequest("limit must be a whole number from 1 to 200", field="limit")
+    cursor = request.args.get("cursor")
+    before = None if cursor is None else _decode_cursor(cursor)
+    rows, has_more = runs.list_visible(conn(), principal(), flt, before_seq=before,
+                                       limit=int(raw_limit))
+    return jsonify({"object": "list", "data": [run_object(r) for r in rows],
+                    "has_more": has_more,
+                    "next_cursor": _encode_cursor(rows[-1]["seq"]) if has_more else None})
+
+
+def _after_param() -> int:
+    raw = request.args.get("after")
+    if raw is None:
+        raw = request.headers.get("Last-Event-ID")
+    if raw is None or raw == "":
+        return 0
+    if not raw.isdigit():
+        raise InvalidRequest("after / Last-Event-ID must be a whole number", field="after")
+    return int(raw)
+
+
+def _wants_json() -> bool:
+    best = request.accept_mimetypes.best_match(["text/event-stream", "application/json"])
+    return best == "application/json" and request.accept_mimetypes["application/json"] > \
+        request.accept_mimetypes["text/event-stream"]
+
+
+@blueprint.get("/v1/runs/<run_id>/events")
+def run_events(run_id: str):
+    visible_run(run_id)
+    after = _after_param()
+    if _wants_json():
+        data = events.after(conn(), run_id, after)
+        return jsonify({"data": [event_object(e) for e in data],
+                        "next_after": data[-1]["seq"] if data else after})
+    return _stream(run_id, after)
+
+
+class _StreamSlots:
+    """Counts this process's open streams against RUNSTILE_MAX_STREAMS."""
+
+    def __init__(self) -> None:
+        self.lock, self.open = threading.Lock(), 0
+
+    def take(self, cap: int) -> bool:
+        with self.lock:
+            if self.open >= cap:
+                return False
+            self.open += 1
+            return True
+
+    def give_back(self) -> None:
+        with self.lock:
+            self.open -= 1
+
+
+_slots = _StreamSlots()
+
+
+def _stream(run_id: str, after: int) -> Response:
+    settings, pool = state().settings, state().pool
+    if not _slots.take(settings.max_streams):
+        raise StreamsExhausted("this process serves its maximum of event streams; retry")
+
+    def frames():
+        try:
+            last, deadline = after, time.monotonic() + settings.stream_max_s
+            quiet_since = time.monotonic()
+            yield "retry: 1000\n\n"
+            while time.monotonic() < deadline:
+                # One short read per poll; no transaction stays open in between.
+                batch = events.after(pool.get(), run_id, last, 500)
+                for event in batch:
+                    last = event["seq"]
+                    yield (f"id: {event['seq']}\nevent: {event['type']}\n"
+                           f"data: {json.dumps(event_object(event), separators=(',', ':'))}\n\n")
+                if batch:
+                    quiet_since = time.monotonic()
+                    if any(e["type"] in TERMINAL_EVENTS for e in batch):
+                        return
+                    continue
+                if runs.status_of(pool.get(), run_id) in {s.value for s in TERMINAL}:
+                    return
+                if time.monotonic() - quiet_since >= settings.stream_keepalive_s:
+                    quiet_since = time.monotonic()
+                    yield ": keepalive\n\n"
+                time.sleep(STREAM_POLL_S)
+        finally:
+            _slots.give_back()
+
+    response = Response(frames(), mimetype="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"
+    return response

@@ -1,0 +1,68 @@
+"""Running the web tier under gunicorn: several processes, gthread workers.
+
+gthread, not sync: an event stream holds its connection for minutes, and a sync worker
+would be blocked by one stream and killed at its timeout (DESIGN §4).  The app is built
+in each worker after fork (no preload), so no ledger connection crosses a fork.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from gunicorn.app.base import BaseApplication
+
+from ..config import Settings
+
+
+def _bind(settings: Settings) -> str:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"{host}:{settings.port}"
+
+
+class _Gunicorn(BaseApplication):
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        super().__init__()
+
+    def load_config(self) -> None:
+        s = self.settings
+        for name, value in {
+            "bind": [_bind(s)],
+            "workers": s.web_workers,
+            "worker_class": "gthread",
+            "threads": s.web_threads,
+            # gthread's timeout watches the worker's main loop, not a request, so a
+            # long event stream never trips it.
+            "timeout": 30,
+            "graceful_timeout": 10,
+            "keepalive": 5,
+            "preload_app": False,
+            "accesslog": None,
+            "errorlog": "-",
+            "loglevel": "warning",
+            "proc_name": "runstile-web",
+            "child_exit": _child_exit,
+        }.items():
+            self.cfg.set(name, value)
+
+    def load(self):
+        from . import create_app
+        return create_app(self.settings)
+
+
+def _child_exit(server, worker) -> None:
+    from prometheus_client import multiprocess
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def run_gunicorn(settings: Settings) -> None:
+    """Serve until SIGTERM/SIGINT.  Metrics of all processes meet in one scratch folder."""
+    metrics_dir = tempfile.mkdtemp(prefix="metrics-", dir=settings.data_dir)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        _Gunicorn(settings).run()
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)

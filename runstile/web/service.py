@@ -1,0 +1,84 @@
+"""Service routes (SPEC §3.5): capabilities, health, readiness, metrics, OpenAPI."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify
+
+from .. import __version__
+from ..errors import LedgerUnavailable, RunstileError
+from ..fingerprint import FINGERPRINT_VERSION
+from ..ledger import migrations, status as ledger_status
+from ..ledger.states import TERMINAL, RunStatus
+from . import metrics, openapi
+from .admission import RUN_ID_PATTERN
+from .auth import authenticate
+from .state import conn, state
+
+blueprint = Blueprint("service", __name__)
+
+
+@blueprint.get("/healthz")
+def healthz():
+    return jsonify({"status": "ok"})
+
+
+@blueprint.get("/readyz")
+def readyz():
+    checks = {"ledger": False, "migrated": False}
+    try:
+        connection = conn()
+        checks["ledger"] = ledger_status.ping(connection)
+        checks["migrated"] = migrations.is_current(connection)
+    except (LedgerUnavailable, RunstileError):
+        state().pool.discard()
+    ready = all(checks.values())
+    response = jsonify({"status": "ready" if ready else "not_ready", "checks": checks})
+    response.status_code = 200 if ready else 503
+    if not ready:
+        response.headers["Retry-After"] = str(state().settings.retry_after_s)
+    return response
+
+
+@blueprint.get("/metrics")
+def prometheus():
+    body, content_type = metrics.render()
+    return Response(body, content_type=content_type)
+
+
+@blueprint.get("/openapi.json")
+def openapi_document():
+    return jsonify(openapi.document())
+
+
+@blueprint.get("/v1/capabilities")
+def capabilities():
+    authenticate()
+    settings = state().settings
+    return jsonify({
+        "object": "capabilities",
+        "api_version": "v1",
+        "version": __version__,
+        "durable": settings.synchronous in ("FULL", "EXTRA"),
+        "synchronous": settings.synchronous,
+        "idempotency": {
+            "header": "Idempotency-Key",
+            "key_syntax": "1-255 visible ASCII characters (code points 33-126)",
+            "reserved_prefixes": ["legacy-run:"],
+            "replay_header": "Idempotency-Replayed",
+            "fingerprint": "sha256-jcs-rfc8785",
+            "fingerprint_version": FINGERPRINT_VERSION,
+            "retention_s": settings.run_retention_s,
+            "tombstone_s": settings.key_tombstone_s,
+        },
+        "run_id_pattern": RUN_ID_PATTERN,
+        "statuses": [s.value for s in RunStatus],
+        "terminal_statuses": sorted(s.value for s in TERMINAL),
+        "events": {"format": "text/event-stream", "json": "application/json",
+                   "resumable": True, "resume": ["Last-Event-ID", "after"]},
+        "tasks": sorted(state().task_names),
+        "limits": {"max_body_bytes": settings.max_body_bytes,
+                   "max_active_runs": settings.max_active_runs,
+                   "max_result_bytes": settings.max_result_bytes},
+        "node": {"id": settings.node_id,
+                 "generation": ledger_status.node_generation(conn(), settings.node_id)},
+    })

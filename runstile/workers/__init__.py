@@ -1,0 +1,1 @@
+"""Workers: the task registry, the Dramatiq side, and the RunContext tasks see."""
