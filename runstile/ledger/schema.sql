@@ -172,3 +172,50 @@ CREATE TABLE nodes (
     generation INTEGER NOT NULL DEFAULT 0,
     booted_at  REAL
 );
+
+-- ---------------------------------------------------------------------------------------
+-- Embedded broker (RUNSTILE_BROKER_URL=sqlite, SPEC §5): Dramatiq's messages live here so
+-- that admission inserts a run's message in the run's own transaction.  All SQL for these
+-- tables is in ledger/broker_queue.py; workers/sqlite_broker.py is the Dramatiq side.
+-- ---------------------------------------------------------------------------------------
+
+-- broker_messages: one row per delivery.  Inserted by admission and re-queues in the
+-- transaction of the dispatch they carry, or by SQLiteBroker.enqueue (its own transaction:
+-- an actor's .send(), a delayed message moved back to its queue by a Dramatiq worker).
+-- id is the delivery id: Message.copy() keeps message_id, so message_id is not unique and
+-- the broker never dedupes (runstile's claim does).  States: ready -> claimed (claimed_by
+-- = a broker_consumers id) -> row deleted by ack, or dead (nack; Dramatiq's <queue>.XQ,
+-- purged by retention), or back to ready (requeue, consumer close, or reaped when the
+-- claiming consumer's heartbeat stops).  Delayed messages sit on '<queue>.DQ' with eta.
+CREATE TABLE broker_messages (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue_name  TEXT NOT NULL,                          -- 'default', 'default.DQ', ...
+    message_id  TEXT NOT NULL,                          -- Dramatiq message id
+    body        BLOB NOT NULL,                          -- Dramatiq's encoder output
+    eta         REAL,                                   -- delayed messages: due time
+    state       TEXT NOT NULL DEFAULT 'ready' CHECK (state IN ('ready', 'claimed', 'dead')),
+    claimed_by  TEXT,
+    enqueued_at REAL NOT NULL,
+    claimed_at  REAL,
+    dead_at     REAL,
+    CHECK ((state = 'claimed') = (claimed_by IS NOT NULL))
+);
+CREATE INDEX broker_messages_ready   ON broker_messages (queue_name, eta, id)
+    WHERE state = 'ready';
+CREATE INDEX broker_messages_claimed ON broker_messages (claimed_by) WHERE state = 'claimed';
+CREATE INDEX broker_messages_dead    ON broker_messages (dead_at) WHERE state = 'dead';
+
+-- broker_consumers: one row per live consumer of the embedded broker.  Inserted when a
+-- consumer opens; last_seen_at renewed every few seconds by its process's heartbeat
+-- thread; deleted when the consumer closes, or by any process's heartbeat once
+-- last_seen_at + timeout_s has passed (the consumer's rows then go back to ready).
+-- pid and host are for operators; liveness is the heartbeat alone.
+CREATE TABLE broker_consumers (
+    id           TEXT NOT NULL PRIMARY KEY,             -- random hex, one per consumer
+    queue_name   TEXT NOT NULL,
+    pid          INTEGER NOT NULL,
+    host         TEXT NOT NULL,
+    timeout_s    REAL NOT NULL,
+    started_at   REAL NOT NULL,
+    last_seen_at REAL NOT NULL
+);

@@ -27,7 +27,6 @@ def create_app(settings: Settings) -> Flask:
     from . import errors, metrics, runs, service
 
     app = Flask("runstile")
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     app.json.compact = True
     tasks = registry.load(settings.tasks)

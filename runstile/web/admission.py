@@ -11,8 +11,6 @@ import json
 import re
 from typing import Any
 
-from werkzeug.exceptions import RequestEntityTooLarge
-
 from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, InvalidRequest,
                       InvalidRunId, PayloadTooLarge, RunstileError, UnknownTask,
                       UnsupportedMediaType)
@@ -35,15 +33,24 @@ MAX_TASK_NAME = 128
 
 
 def read_body(request, max_body_bytes: int) -> bytes:
-    """The raw body, refusing more than the cap whether or not Content-Length is sent."""
+    """The raw body, refusing more than the cap whether or not Content-Length is sent.
+
+    Read by hand rather than through werkzeug's MAX_CONTENT_LENGTH: for a chunked body
+    werkzeug's limit silently truncates instead of refusing, which would turn a 413
+    into a misleading invalid_json.
+    """
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLarge(f"the body is larger than {max_body_bytes} bytes")
-    try:
-        # MAX_CONTENT_LENGTH makes werkzeug stop a chunked body at the cap as well.
-        return request.get_data(cache=True)
-    except RequestEntityTooLarge:
-        raise PayloadTooLarge(f"the body is larger than {max_body_bytes} bytes") from None
+    stream, chunks, total = request.stream, [], 0
+    while True:
+        chunk = stream.read(min(65536, max_body_bytes + 1 - total))
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > max_body_bytes:
+            raise PayloadTooLarge(f"the body is larger than {max_body_bytes} bytes")
+        chunks.append(chunk)
 
 
 def require_json_content_type(request) -> None:

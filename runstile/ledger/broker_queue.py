@@ -1,0 +1,205 @@
+"""The embedded broker's rows (RUNSTILE_BROKER_URL=sqlite, SPEC §5): all of its SQL.
+
+``workers/sqlite_broker.py`` turns these functions into a Dramatiq ``Broker`` and
+``Consumer``; admission calls :func:`insert_message` inside its own transaction so the
+run and its message commit together (no dual write).
+
+A row's life: ``ready`` → ``claimed`` (by one consumer) → deleted by ack, or ``dead``
+(nack: Dramatiq's dead-letter queue, ``<queue>.XQ``), or back to ``ready`` (requeue,
+consumer close, or a consumer whose heartbeat stopped).  A claim is held for as long
+as its consumer is alive, not for a fixed time: Dramatiq workers prefetch messages and
+hold delayed ones in memory until their eta, however long that is (the Redis broker
+ties its acks to a heartbeat for the same reason).
+
+Every time comes from the ledger clock (``db.NOW``).  Functions that are one unit of
+work open their own transaction (a savepoint when the caller already has one);
+:func:`insert_message` runs in the caller's.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from . import db
+from .db import NOW
+
+#: The states a broker row can be in (schema.sql CHECKs the same list).
+READY, CLAIMED, DEAD = "ready", "claimed", "dead"
+
+
+@dataclass(frozen=True)
+class ConsumerInfo:
+    """What a consumer's row says about it: renewed by its process's heartbeat."""
+
+    consumer_id: str
+    queue_name: str
+    pid: int
+    host: str
+    #: Seconds without a heartbeat after which the consumer counts as dead.
+    timeout_s: float
+
+
+def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, body: bytes,
+                   eta: float | None = None) -> int:
+    """Add one ready message; return its delivery id.  Runs in the caller's transaction.
+
+    ``eta`` is the Unix time (seconds) of a delayed message, which lives on the delay
+    queue ``<queue>.DQ`` (Dramatiq's convention); it orders that queue, soonest first.
+    The same ``message_id`` may be inserted more than once: the broker does not dedupe
+    (runstile's claim does).
+    """
+    with db.ledger_errors():
+        return conn.execute(
+            "INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
+            f"enqueued_at) VALUES (?, ?, ?, ?, '{READY}', {NOW}) RETURNING id",
+            (queue_name, message_id, sqlite3.Binary(body), eta)).fetchone()[0]
+
+
+def register_consumer(conn: sqlite3.Connection, info: ConsumerInfo) -> None:
+    """Record a live consumer (first heartbeat)."""
+    with db.transaction(conn):
+        _upsert_consumers(conn, [info])
+
+
+def heartbeat(conn: sqlite3.Connection, live: Sequence[ConsumerInfo]) -> int:
+    """Renew the live consumers of one process, then release the rows of dead ones.
+
+    A consumer whose row was already reaped (its process was frozen past its timeout)
+    is registered again; the rows it lost may be delivered twice, which runstile's claim
+    makes harmless.  Returns how many rows went back to ready.
+    """
+    with db.transaction(conn):
+        _upsert_consumers(conn, live)
+        return _reap(conn)
+
+
+def reap_dead_consumers(conn: sqlite3.Connection) -> int:
+    """Release the rows of consumers whose heartbeat is older than their timeout."""
+    with db.transaction(conn):
+        return _reap(conn)
+
+
+def _upsert_consumers(conn, infos: Iterable[ConsumerInfo]) -> None:
+    conn.executemany(
+        "INSERT INTO broker_consumers (id, queue_name, pid, host, timeout_s, started_at, "
+        f"last_seen_at) VALUES (?, ?, ?, ?, ?, {NOW}, {NOW}) "
+        f"ON CONFLICT (id) DO UPDATE SET last_seen_at = {NOW}",
+        [(i.consumer_id, i.queue_name, i.pid, i.host, i.timeout_s) for i in infos])
+
+
+def _reap(conn) -> int:
+    # NOT IN also catches rows claimed by a consumer whose row is already gone.
+    released = conn.execute(
+        f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
+        f"WHERE state = '{CLAIMED}' AND claimed_by NOT IN "
+        f"(SELECT id FROM broker_consumers WHERE last_seen_at + timeout_s >= {NOW})").rowcount
+    conn.execute(f"DELETE FROM broker_consumers WHERE last_seen_at + timeout_s < {NOW}")
+    return released
+
+
+def has_ready(conn: sqlite3.Connection, queue_name: str) -> bool:
+    """Cheap read: is anything waiting on ``queue_name``?  (Avoids an idle write lock.)"""
+    with db.ledger_errors():
+        return conn.execute(
+            f"SELECT 1 FROM broker_messages WHERE queue_name = ? AND state = '{READY}' LIMIT 1",
+            (queue_name,)).fetchone() is not None
+
+
+def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
+          limit: int) -> list[sqlite3.Row]:
+    """Claim up to ``limit`` ready rows for one consumer: oldest first, or soonest eta
+    first on a delay queue.  Returns (id, message_id, body) rows in that order."""
+    if limit < 1:
+        return []
+    with db.transaction(conn):
+        rows = conn.execute(
+            f"UPDATE broker_messages SET state = '{CLAIMED}', claimed_by = ?, "
+            f"claimed_at = {NOW} WHERE id IN (SELECT id FROM broker_messages "
+            f"WHERE queue_name = ? AND state = '{READY}' ORDER BY eta, id LIMIT ?) "
+            "RETURNING id, message_id, body, eta",
+            (consumer_id, queue_name, int(limit))).fetchall()
+    # RETURNING gives no order; restore the queue's.
+    return sorted(rows, key=lambda r: (r["eta"] is not None, r["eta"] or 0, r["id"]))
+
+
+def ack(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
+    """Delete a processed row, only if this consumer still holds it.  True if it did."""
+    with db.transaction(conn):
+        return conn.execute(
+            f"DELETE FROM broker_messages WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
+            (delivery_id, consumer_id)).rowcount > 0
+
+
+def dead_letter(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
+    """Move a rejected row to the dead letters, only if this consumer still holds it."""
+    with db.transaction(conn):
+        return conn.execute(
+            f"UPDATE broker_messages SET state = '{DEAD}', claimed_by = NULL, "
+            f"claimed_at = NULL, dead_at = {NOW} "
+            f"WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
+            (delivery_id, consumer_id)).rowcount > 0
+
+
+def release(conn: sqlite3.Connection, consumer_id: str, delivery_ids: Iterable[int]) -> int:
+    """Put rows this consumer holds back to ready (keeping their place in the queue)."""
+    with db.transaction(conn):
+        return sum(conn.execute(
+            f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
+            f"WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
+            (delivery_id, consumer_id)).rowcount for delivery_id in delivery_ids)
+
+
+def close_consumer(conn: sqlite3.Connection, consumer_id: str) -> int:
+    """Release every row the consumer holds and forget it; returns rows released."""
+    with db.transaction(conn):
+        released = conn.execute(
+            f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
+            f"WHERE claimed_by = ? AND state = '{CLAIMED}'", (consumer_id,)).rowcount
+        conn.execute("DELETE FROM broker_consumers WHERE id = ?", (consumer_id,))
+        return released
+
+
+def pending_count(conn: sqlite3.Connection, queue_names: Sequence[str]) -> int:
+    """Rows not yet processed (ready or claimed) on these queues; dead letters excluded."""
+    marks = ", ".join("?" for _ in queue_names)
+    with db.ledger_errors():
+        return conn.execute(
+            f"SELECT COUNT(*) FROM broker_messages WHERE queue_name IN ({marks}) "
+            f"AND state IN ('{READY}', '{CLAIMED}')", tuple(queue_names)).fetchone()[0]
+
+
+def flush(conn: sqlite3.Connection, queue_names: Sequence[str]) -> int:
+    """Delete every row of these queues, dead letters included (Dramatiq's purge)."""
+    marks = ", ".join("?" for _ in queue_names)
+    with db.transaction(conn):
+        return conn.execute(f"DELETE FROM broker_messages WHERE queue_name IN ({marks})",
+                            tuple(queue_names)).rowcount
+
+
+def dead_letters(conn: sqlite3.Connection, queue_names: Sequence[str],
+                 limit: int = 1000) -> list[sqlite3.Row]:
+    """Dead-lettered rows of these queues, oldest first (for operators and tests)."""
+    marks = ", ".join("?" for _ in queue_names)
+    with db.ledger_errors():
+        return conn.execute(
+            f"SELECT id, queue_name, message_id, body, dead_at FROM broker_messages "
+            f"WHERE queue_name IN ({marks}) AND state = '{DEAD}' ORDER BY id LIMIT ?",
+            (*queue_names, int(limit))).fetchall()
+
+
+def purge_dead_letters(conn: sqlite3.Connection, older_than_s: float, limit: int = 1000) -> int:
+    """Delete up to ``limit`` dead letters older than ``older_than_s`` (for retention)."""
+    with db.transaction(conn):
+        return conn.execute(
+            f"DELETE FROM broker_messages WHERE id IN (SELECT id FROM broker_messages "
+            f"WHERE state = '{DEAD}' AND dead_at < {NOW} - ? ORDER BY dead_at LIMIT ?)",
+            (float(older_than_s), int(limit))).rowcount
+
+
+def data_version(conn: sqlite3.Connection) -> int:
+    """SQLite's change counter for this connection: it moves whenever *another*
+    connection commits.  Polling it is a shared-memory read, not a query of any table."""
+    with db.ledger_errors():
+        return conn.execute("PRAGMA data_version").fetchone()[0]

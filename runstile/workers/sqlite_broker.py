@@ -1,0 +1,521 @@
+"""The embedded Dramatiq broker: messages live in the ledger file (RUNSTILE_BROKER_URL=sqlite).
+
+Why a broker in the ledger: admission can then insert a run's message in the run's own
+``BEGIN IMMEDIATE`` transaction (:func:`enqueue_in`), so a ``202`` never exists without
+its message and no message exists without its run (SPEC §2.1, §5).  No SQL here; the rows
+and their life are described in ``ledger/broker_queue.py`` and ``ledger/schema.sql``.
+
+The Dramatiq contract this follows (checked against Dramatiq 2.2's Redis and stub
+brokers and ``worker.py``):
+
+* ``declare_queue`` emits ``declare_queue`` and ``declare_delay_queue``; delayed messages
+  go to ``<queue>.DQ`` with an ``eta`` option, and the *worker* holds them in memory
+  until their eta, then enqueues a copy on the queue and acks the delayed one.
+* ``consume()`` returns a consumer whose ``__next__`` returns a message or ``None`` after
+  its timeout (the worker needs ``None`` to handle delays and shutdown).
+* ``ack``/``nack`` come from worker threads while the consumer thread sits in
+  ``__next__``: every thread uses its own connection (``db.ConnectionPool``), opened
+  lazily and never carried across ``fork()``.
+* A claim lasts as long as its consumer lives.  Each process runs one small thread per
+  broker that heartbeats its consumers (a ``broker_consumers`` row) and releases the
+  rows of consumers whose heartbeat stopped, in any process.  A per-message timer would
+  redeliver the delayed messages a live worker is rightly holding.
+* Idle wake-up: that same thread polls ``PRAGMA data_version`` (it changes whenever
+  another connection commits; a shared-memory read) every ``poll_interval_s`` and wakes
+  the waiting consumers, who then look for ready rows with one cheap read before taking
+  the write lock to claim.
+
+Delivery is at least once: a consumer that dies, closes or is restarted by Dramatiq gives
+its claimed rows back, and a delayed message is re-enqueued before its delay-queue row is
+acked.  runstile's guarded claim makes every duplicate harmless (SPEC §2.3).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import dramatiq
+from dramatiq.broker import Broker, Consumer, MessageProxy
+from dramatiq.common import current_millis, dq_name, q_name
+from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout, QueueNotFound
+from dramatiq.logging import get_logger
+from dramatiq.message import Message
+from dramatiq.middleware import Middleware
+
+from ..errors import RunstileError
+from ..ledger import broker_queue, db
+
+#: Seconds a consumer may go without a heartbeat before its claimed rows go back to
+#: ready (Dramatiq's Redis broker uses 60).  A dead process's prefetched messages wait
+#: this long; a live one renews well within it.
+DEFAULT_CONSUMER_TIMEOUT_S = 15.0
+#: Longest pause between two heartbeats of one process's consumers.
+MAX_HEARTBEAT_INTERVAL_S = 5.0
+#: Seconds between two ``PRAGMA data_version`` polls: the idle wake-up latency is about
+#: half of this plus one claim transaction.
+DEFAULT_POLL_INTERVAL_S = 0.005
+
+
+def default_middleware() -> list[Middleware]:
+    """The explicit list used when a caller gives none: never Dramatiq's defaults, whose
+    Retries, TimeLimit and AgeLimit fight the ledger (DESIGN §4).  AsyncIO runs
+    ``async def`` actors and does nothing else."""
+    return [dramatiq.middleware.AsyncIO()]
+
+
+def delayed(message: Message, delay: Optional[int]) -> tuple[Message, Optional[float]]:
+    """Dramatiq's delay convention: a delayed message moves to ``<queue>.DQ`` with an
+    ``eta`` option (Unix ms).  Returns the message to store and its eta in Unix seconds."""
+    if delay is None:
+        eta_ms = message.options.get("eta")  # already on a delay queue, or None
+        if isinstance(eta_ms, (int, float)) and message.queue_name == dq_name(message.queue_name):
+            return message, eta_ms / 1000.0
+        return message, None
+    eta_ms = current_millis() + int(delay)
+    message = message.copy(queue_name=dq_name(message.queue_name), options={"eta": eta_ms})
+    return message, eta_ms / 1000.0
+
+
+def enqueue_in(conn: sqlite3.Connection, message: Message, *,
+               delay: Optional[int] = None) -> tuple[Message, int]:
+    """Insert ``message`` inside the caller's open transaction; it becomes visible to
+    consumers only when the caller commits, and vanishes if the caller rolls back.
+
+    No broker instance is needed (web and recovery processes have none); no middleware
+    signal fires.  Returns the message as stored and its delivery id.
+    """
+    return _insert(conn, *delayed(message, delay))
+
+
+def _insert(conn: sqlite3.Connection, message: Message, eta_s: Optional[float]) -> tuple[Message, int]:
+    delivery_id = broker_queue.insert_message(
+        conn, message.queue_name, message.message_id, message.encode(), eta=eta_s)
+    return message, delivery_id
+
+
+class SQLiteBroker(Broker):
+    """A Dramatiq broker whose queues are rows in the ledger at ``path``.
+
+    Parameters:
+      path: the ledger file, already migrated (``ledger.migrations.migrate``).
+      synchronous, busy_timeout_ms: SQLite settings for every connection it opens.
+      middleware: the complete middleware list; :func:`default_middleware` when None.
+      consumer_timeout_s: a consumer silent this long is dead; its rows go back to ready.
+      heartbeat_interval_s: seconds between heartbeats (default: a third of the timeout,
+        at most 5 s).
+      poll_interval_s: seconds between ``PRAGMA data_version`` polls while consuming.
+    """
+
+    def __init__(self, path: Path | str, *, synchronous: str = "FULL",
+                 busy_timeout_ms: int = 5000, middleware: Optional[list[Middleware]] = None,
+                 consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+                 heartbeat_interval_s: Optional[float] = None,
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+        super().__init__(middleware=default_middleware() if middleware is None
+                         else list(middleware))
+        if not consumer_timeout_s > 0 or not poll_interval_s > 0:
+            raise ValueError("consumer_timeout_s and poll_interval_s must be > 0")
+        self.path = Path(path)
+        self.synchronous = synchronous
+        self.busy_timeout_ms = busy_timeout_ms
+        self.consumer_timeout_s = float(consumer_timeout_s)
+        self.heartbeat_interval_s = float(
+            heartbeat_interval_s if heartbeat_interval_s is not None
+            else min(MAX_HEARTBEAT_INTERVAL_S, consumer_timeout_s / 3))
+        if not 0 < self.heartbeat_interval_s < self.consumer_timeout_s:
+            raise ValueError("heartbeat_interval_s must be > 0 and < consumer_timeout_s")
+        self.poll_interval_s = float(poll_interval_s)
+        self.queues: set[str] = set()
+        self.pool = db.ConnectionPool(self.path, synchronous=synchronous,
+                                      busy_timeout_ms=busy_timeout_ms)
+        self._watcher_lock = threading.Lock()
+        self._watcher: Optional[_Watcher] = None
+        # A lock or thread inherited through fork() is useless in the child: start over.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (b := ref()) and b._reset_after_fork())
+
+    def _reset_after_fork(self) -> None:
+        self._watcher_lock = threading.Lock()
+        self._watcher = None
+
+    def watcher(self) -> "_Watcher":
+        """This process's heartbeat-and-wake-up thread for this broker (created lazily)."""
+        with self._watcher_lock:
+            if self._watcher is None or self._watcher.pid != os.getpid():
+                self._watcher = _Watcher(self)
+            return self._watcher
+
+    # -- queues ---------------------------------------------------------------------
+
+    def declare_queue(self, queue_name: str) -> None:
+        """Declare a queue and its delay queue; idempotent (a queue needs no DDL)."""
+        if queue_name in self.queues:
+            return
+        self.emit_before("declare_queue", queue_name)
+        self.queues.add(queue_name)
+        self.emit_after("declare_queue", queue_name)
+        delayed_name = dq_name(queue_name)
+        self.delay_queues.add(delayed_name)
+        self.emit_after("declare_delay_queue", delayed_name)
+
+    def get_declared_queues(self) -> set[str]:
+        return set(self.queues)
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> "_SQLiteConsumer":
+        """A consumer of ``queue_name`` (a declared queue or delay queue).
+
+        ``prefetch`` caps the rows it holds unacked; ``timeout`` is the milliseconds
+        ``__next__`` waits before returning None.
+        """
+        if queue_name not in self.queues and queue_name not in self.delay_queues:
+            raise QueueNotFound(queue_name)
+        return _SQLiteConsumer(self, queue_name, prefetch, timeout)
+
+    # -- enqueue ----------------------------------------------------------------------
+
+    def enqueue(self, message: Message, *, delay: Optional[int] = None) -> Message:
+        """Store ``message`` in its own transaction (``delay`` in milliseconds).
+
+        Like Dramatiq's Redis broker, the queue need not be declared in this process:
+        web processes enqueue by actor name without declaring actors.
+        """
+        stored, eta_s = delayed(message, delay)
+        self.logger.debug("Enqueueing message %r on queue %r.", stored.message_id,
+                          stored.queue_name)
+        self.emit_before("enqueue", stored, delay)
+        conn = self.pool.get()
+        try:
+            with db.transaction(conn):
+                _insert(conn, stored, eta_s)
+        except RunstileError:
+            self.pool.discard()
+            raise
+        self._poke_local()
+        self.emit_after("enqueue", stored, delay)
+        return stored
+
+    def enqueue_in(self, conn: sqlite3.Connection, message: Message, *,
+                   delay: Optional[int] = None) -> Message:
+        """:func:`enqueue_in` plus the enqueue signals.  The signals fire before the
+        caller commits, so middleware must not take them as proof of delivery."""
+        stored, eta_s = delayed(message, delay)
+        self.emit_before("enqueue", stored, delay)
+        _insert(conn, stored, eta_s)
+        self.emit_after("enqueue", stored, delay)
+        return stored
+
+    def _poke_local(self) -> None:
+        # Same-process consumers learn of our commit at once instead of at the next poll.
+        watcher = self._watcher
+        if watcher is not None and watcher.pid == os.getpid():
+            watcher.poke()
+
+    # -- test and operator helpers required by Dramatiq -----------------------------
+
+    def flush(self, queue_name: str) -> None:
+        """Drop every message of a queue, its delay queue and its dead letters."""
+        with db.ledger_errors():
+            broker_queue.flush(self.pool.get(), [q_name(queue_name), dq_name(queue_name)])
+
+    def flush_all(self) -> None:
+        """Drop all messages from all declared queues."""
+        for queue_name in self.get_declared_queues():
+            self.flush(queue_name)
+
+    def join(self, queue_name: str, *, interval: int = 20, timeout: Optional[int] = None) -> None:
+        """Wait until no message of ``queue_name`` or its delay queue is ready or claimed.
+
+        Raises QueueJoinTimeout after ``timeout`` milliseconds.  Dead letters do not count.
+        """
+        names = [q_name(queue_name), dq_name(queue_name)]
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        while broker_queue.pending_count(self.pool.get(), names):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QueueJoinTimeout(queue_name)
+            time.sleep(interval / 1000)
+
+    def pending(self, queue_name: str) -> int:
+        """Messages of a queue and its delay queue not yet processed."""
+        return broker_queue.pending_count(self.pool.get(),
+                                          [q_name(queue_name), dq_name(queue_name)])
+
+    def dead_letters(self, queue_name: str) -> list[Message]:
+        """The dead-lettered messages of a queue (and its delay queue), oldest first."""
+        rows = broker_queue.dead_letters(self.pool.get(), [q_name(queue_name),
+                                                           dq_name(queue_name)])
+        return [Message.decode(bytes(row["body"])) for row in rows]
+
+    def close(self) -> None:
+        """Stop this process's heartbeat thread and close this thread's connection."""
+        with self._watcher_lock:
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher.pid == os.getpid():
+            watcher.stop()
+        self.pool.discard()
+
+
+class _SQLiteMessageProxy(MessageProxy):
+    """A delivered message plus which row it came from and which consumer holds it."""
+
+    def __init__(self, message: Message, delivery_id: int, consumer: "_SQLiteConsumer") -> None:
+        super().__init__(message)
+        self.delivery_id = delivery_id
+        self.consumer_id = consumer.consumer_id
+        self._owner = consumer
+
+
+class _SQLiteConsumer(Consumer):
+    """One consumer of one queue; created by :meth:`SQLiteBroker.consume`."""
+
+    def __init__(self, broker: SQLiteBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.broker = broker
+        self.queue_name = queue_name
+        self.prefetch = max(1, int(prefetch))
+        self.timeout_ms = int(timeout)
+        self.consumer_id = uuid.uuid4().hex
+        self.info = broker_queue.ConsumerInfo(
+            self.consumer_id, queue_name, os.getpid(), socket.gethostname(),
+            broker.consumer_timeout_s)
+        self._cache: collections.deque = collections.deque()
+        #: Delivery ids claimed and not yet acked, nacked or requeued (the prefetch window).
+        self._held: set[int] = set()
+        self._held_lock = threading.Lock()
+        self._closed = False
+        self._watcher = broker.watcher()
+        try:
+            broker_queue.register_consumer(broker.pool.get(), self.info)
+        except RunstileError as exc:
+            broker.pool.discard()
+            raise ConnectionClosed(exc) from exc
+        self._watcher.add(self)
+
+    def __next__(self) -> Optional[MessageProxy]:
+        """The next message, or None once ``timeout`` ms passed without one."""
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            if self._cache:
+                return self._deliver(*self._cache.popleft())
+            seen = self._watcher.generation
+            try:
+                if not self._closed:
+                    self._fetch()
+            except RunstileError as exc:
+                self.broker.pool.discard()
+                raise ConnectionClosed(exc) from exc
+            if self._cache:
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            # Woken by any commit to the ledger (polled), a local ack or close.
+            self._watcher.wait(seen, remaining)
+
+    def _fetch(self) -> None:
+        with self._held_lock:
+            room = self.prefetch - len(self._held)
+        if room <= 0:
+            return
+        conn = self.broker.pool.get()
+        # A read first: most wake-ups are other tables' commits, and an idle consumer
+        # must not queue for the write lock on each of them.
+        if not broker_queue.has_ready(conn, self.queue_name):
+            return
+        rows = broker_queue.claim(conn, self.queue_name, self.consumer_id, room)
+        with self._held_lock:
+            self._held.update(row["id"] for row in rows)
+        self._cache.extend((row["id"], bytes(row["body"])) for row in rows)
+
+    def _deliver(self, delivery_id: int, body: bytes) -> Optional[MessageProxy]:
+        try:
+            message = Message.decode(body)
+        except DecodeError:
+            # A row nobody can run: dead-letter it rather than hand the worker garbage.
+            self.logger.error("Cannot decode delivery %d on queue %r; dead-lettering it.",
+                              delivery_id, self.queue_name, exc_info=True)
+            self._settle(delivery_id, broker_queue.dead_letter)
+            return None
+        return _SQLiteMessageProxy(message, delivery_id, self)
+
+    # -- called from worker threads ---------------------------------------------------
+
+    def ack(self, message: _SQLiteMessageProxy) -> None:
+        """Delete the message's row, only if its consumer still holds it."""
+        if not message._owner._settle(message.delivery_id, broker_queue.ack):
+            self.logger.warning(
+                "Message %s (delivery %d) was no longer held by its consumer when acked; "
+                "it may be delivered again.", message.message_id, message.delivery_id)
+
+    def nack(self, message: _SQLiteMessageProxy) -> None:
+        """Dead-letter the message's row, only if its consumer still holds it."""
+        if not message._owner._settle(message.delivery_id, broker_queue.dead_letter):
+            self.logger.warning(
+                "Message %s (delivery %d) was no longer held by its consumer when nacked.",
+                message.message_id, message.delivery_id)
+
+    def requeue(self, messages: Iterable[_SQLiteMessageProxy]) -> None:
+        """Put unprocessed (prefetched or delayed) messages back to ready."""
+        by_owner: dict[_SQLiteConsumer, list[int]] = collections.defaultdict(list)
+        for message in messages:
+            by_owner[message._owner].append(message.delivery_id)
+        for owner, delivery_ids in by_owner.items():
+            owner._release(delivery_ids)
+
+    def close(self) -> None:
+        """Release every row this consumer holds and stop its heartbeat.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watcher.remove(self)
+        self._cache.clear()
+        with self._held_lock:
+            self._held.clear()
+        try:
+            broker_queue.close_consumer(self.broker.pool.get(), self.consumer_id)
+        except RunstileError:
+            # Its heartbeat has stopped, so any process's reaper releases the rows later.
+            self.broker.pool.discard()
+            self.logger.warning("Could not release consumer %s's messages now; they go back "
+                                "after %.0f s.", self.consumer_id, self.info.timeout_s,
+                                exc_info=True)
+        self._watcher.poke()
+
+    def abandon(self) -> None:
+        """Stop heartbeating without releasing anything, as if this process had frozen or
+        died: after the consumer timeout another consumer gets the rows.  For tests."""
+        self._closed = True
+        self._watcher.remove(self)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _settle(self, delivery_id: int, operation) -> bool:
+        try:
+            done = operation(self.broker.pool.get(), delivery_id, self.consumer_id)
+        except RunstileError as exc:
+            # Dramatiq retries acks that fail with a connection error.
+            self.broker.pool.discard()
+            raise ConnectionClosed(exc) from exc
+        self._forget([delivery_id])
+        return done
+
+    def _release(self, delivery_ids: Sequence[int]) -> None:
+        if not delivery_ids:
+            return
+        self.logger.debug("Re-enqueueing deliveries %r on queue %r.", delivery_ids,
+                          self.queue_name)
+        try:
+            broker_queue.release(self.broker.pool.get(), self.consumer_id, delivery_ids)
+        except RunstileError as exc:
+            self.broker.pool.discard()
+            raise ConnectionClosed(exc) from exc
+        self._forget(delivery_ids)
+
+    def _forget(self, delivery_ids: Iterable[int]) -> None:
+        with self._held_lock:
+            self._held.difference_update(delivery_ids)
+        self._watcher.poke()  # a prefetch slot opened; __next__ may fetch again
+
+
+class _Watcher:
+    """One thread per broker and process: heartbeats its consumers, reaps dead ones in
+    every process, and wakes waiting consumers when ``PRAGMA data_version`` moves.
+
+    It runs only while the process has open consumers; a web process that only
+    enqueues never starts it.
+    """
+
+    def __init__(self, broker: SQLiteBroker) -> None:
+        self.broker = broker
+        self.pid = os.getpid()
+        self.logger = get_logger(__name__, type(self))
+        self.cond = threading.Condition()
+        #: Grows at every wake-up reason; consumers wait for it to change.
+        self.generation = 0
+        self.consumers: dict[str, _SQLiteConsumer] = {}
+        self.thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    def add(self, consumer: _SQLiteConsumer) -> None:
+        with self.cond:
+            self.consumers[consumer.consumer_id] = consumer
+            if self.thread is None:
+                self._stop.clear()
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="runstile-sqlite-broker")
+                self.thread.start()
+
+    def remove(self, consumer: _SQLiteConsumer) -> None:
+        with self.cond:
+            self.consumers.pop(consumer.consumer_id, None)
+
+    def poke(self) -> None:
+        with self.cond:
+            self.generation += 1
+            self.cond.notify_all()
+
+    def wait(self, seen: int, timeout_s: float) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.generation != seen, timeout_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        self.poke()
+
+    def _run(self) -> None:
+        # The loop runs every poll_interval_s, so it stays lean: one PRAGMA and a plain
+        # sleep (an Event.wait with a timeout costs twice the CPU of a sleep per wake-up);
+        # the lock is taken only to heartbeat or to exit.
+        broker, sleep, monotonic = self.broker, time.sleep, time.monotonic
+        conn: Optional[sqlite3.Connection] = None
+        last_version = None
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if not self.consumers:
+                    with self.cond:
+                        if not self.consumers:
+                            self.thread = None
+                            return
+                try:
+                    if conn is None:
+                        conn = db.connect(broker.path, synchronous=broker.synchronous,
+                                          busy_timeout_ms=broker.busy_timeout_ms)
+                    version = broker_queue.data_version(conn)
+                    if version != last_version:
+                        last_version = version
+                        self.poke()
+                    if monotonic() >= next_beat:
+                        next_beat = monotonic() + broker.heartbeat_interval_s
+                        with self.cond:
+                            live = [c.info for c in self.consumers.values()]
+                        if broker_queue.heartbeat(conn, live):
+                            self.poke()  # rows came back: local consumers may take them
+                except (RunstileError, sqlite3.Error):
+                    self.logger.warning("Embedded broker heartbeat failed; retrying.",
+                                        exc_info=True)
+                    if conn is not None:
+                        conn.close()
+                    conn, last_version = None, None
+                    pause = min(1.0, broker.heartbeat_interval_s)
+                    next_beat = monotonic() + pause
+                    self._stop.wait(pause)
+                    continue
+                sleep(broker.poll_interval_s)
+        finally:
+            with self.cond:
+                if self.thread is threading.current_thread():
+                    self.thread = None
+            if conn is not None:
+                conn.close()

@@ -1,0 +1,249 @@
+"""Shared fixtures: real SQLite files, real servers on loopback, real processes.
+
+Broker fixtures skip locally when the machine's Redis/RabbitMQ are absent and fail
+instead when CI is set (DESIGN §3, after Dramatiq's own conftest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import requests
+
+from runstile.ledger import db, keys, migrations
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNSTILE = [sys.executable, "-m", "runstile"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.02, what: str = ""):
+    """Poll ``predicate`` until it returns a truthy value; fail with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}: {last!r}")
+
+
+@dataclass
+class Key:
+    key_id: str
+    secret: str
+    profile: str
+    role: str
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.secret}"}
+
+
+@dataclass
+class Ledger:
+    """A migrated ledger file in a temporary data directory."""
+
+    data_dir: Path
+
+    @property
+    def path(self) -> Path:
+        return self.data_dir / "ledger.db"
+
+    def connect(self):
+        return db.connect(self.path)
+
+    def key(self, profile: str = "default", *, admin: bool = False, label: str | None = None) -> Key:
+        conn = self.connect()
+        try:
+            key_id, secret = keys.create(conn, profile, label=label,
+                                         role="admin" if admin else "client")
+        finally:
+            conn.close()
+        return Key(key_id, secret, profile, "admin" if admin else "client")
+
+    def query(self, sql: str, args: tuple = ()) -> list:
+        conn = self.connect()
+        try:
+            return [tuple(r) for r in conn.execute(sql, args).fetchall()]
+        finally:
+            conn.close()
+
+
+def _new_ledger(folder: Path) -> Ledger:
+    data_dir = folder / "data"
+    migrations.migrate(data_dir / "ledger.db")
+    return Ledger(data_dir)
+
+
+@pytest.fixture
+def ledger(tmp_path) -> Ledger:
+    """A fresh ledger for this test alone."""
+    return _new_ledger(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_ledger(tmp_path_factory) -> Ledger:
+    """One ledger per test module; tests isolate themselves with a key (scope) each."""
+    return _new_ledger(tmp_path_factory.mktemp("shared"))
+
+
+@dataclass
+class Server:
+    """A real ``runstile serve`` (gunicorn) on a loopback port."""
+
+    data_dir: Path
+    env: dict
+    web_workers: int = 2
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, **extra_env: str) -> "Server":
+        env = {**os.environ, **self.env, **extra_env}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.log_path = self.data_dir.parent / f"serve-{self.port}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [*RUNSTILE, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port),
+             "--web-workers", str(self.web_workers)],
+            env=env, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+        log.close()
+        wait_until(self._ready, 30, 0.05, f"runstile serve on {self.url}")
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return requests.get(self.url + "/readyz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (master and workers) and reap the master."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=15)
+        # gunicorn workers may outlive a SIGKILLed master for a moment; reap the group.
+        wait_until(lambda: not _group_alive(self.proc.pid), 10, 0.05, "process group to exit")
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@pytest.fixture
+def make_server(ledger):
+    servers: list[Server] = []
+
+    def make(web_workers: int = 2, **env: str) -> Server:
+        server = Server(ledger.data_dir, env, web_workers=web_workers)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_server(shared_ledger):
+    """One default-configured server per test module, on the module's ledger."""
+    server = Server(shared_ledger.data_dir, {}).start()
+    yield server
+    server.kill()
+
+
+class Api:
+    """A tiny HTTP client bound to one server and one key."""
+
+    def __init__(self, server: Server, key: Key, ledger: Ledger | None = None) -> None:
+        self.server, self.key, self.ledger = server, key, ledger
+        self.session = requests.Session()
+
+    def runs_in_scope(self) -> int:
+        """How many runs this key's scope holds in the ledger."""
+        return self.ledger.query("SELECT COUNT(*) FROM runs WHERE key_id = ?",
+                                 (self.key.key_id,))[0][0]
+
+    def keys_in_scope(self) -> int:
+        return self.ledger.query("SELECT COUNT(*) FROM idempotency_keys WHERE key_id = ?",
+                                 (self.key.key_id,))[0][0]
+
+    def post_run(self, body: dict | None = None, *, idempotency_key: str | None = None,
+                 headers: dict | None = None, **kwargs) -> requests.Response:
+        h = {**self.key.headers, **(headers or {})}
+        if idempotency_key is not None:
+            h["Idempotency-Key"] = idempotency_key
+        if body is not None and "data" not in kwargs:
+            kwargs["data"] = json.dumps(body)
+            h.setdefault("Content-Type", "application/json")
+        return self.session.post(self.server.url + "/v1/runs", headers=h, timeout=30, **kwargs)
+
+    def get(self, path: str, **kwargs) -> requests.Response:
+        headers = {**self.key.headers, **kwargs.pop("headers", {})}
+        return self.session.get(self.server.url + path, headers=headers, timeout=30, **kwargs)
+
+    def post(self, path: str, **kwargs) -> requests.Response:
+        headers = {**self.key.headers, **kwargs.pop("headers", {})}
+        return self.session.post(self.server.url + path, headers=headers, timeout=30, **kwargs)
+
+
+@pytest.fixture
+def api(shared_server, shared_ledger) -> Api:
+    """A client with a key of its own (its own scope) on the module's shared server."""
+    return Api(shared_server, shared_ledger.key("default"), shared_ledger)
+
+
+def broker_available(kind: str) -> bool:
+    """True if the machine's Redis/RabbitMQ answers; skip locally or fail under CI if not."""
+    host_port = {"redis": ("127.0.0.1", 6379), "rabbitmq": ("127.0.0.1", 5672)}[kind]
+    try:
+        with socket.create_connection(host_port, timeout=1):
+            return True
+    except OSError:
+        message = f"{kind} is not reachable at {host_port[0]}:{host_port[1]}"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI is set, so this is a failure, not a skip)")
+        pytest.skip(message)
