@@ -1,0 +1,114 @@
+"""The ``runstile`` command line, run in-process through ``main(argv)`` and as a process."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from runstile.cli import main
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_keys_create_makes_the_profile_and_prints_the_secret_once(tmp_path, capsys):
+    code, out, _ = run(["keys", "create", "--profile", "acme", "--label", "ci", "--json",
+                        "--data-dir", str(tmp_path)], capsys)
+    assert code == 0
+    key = last_json(out)
+    assert set(key) == {"key_id", "secret", "profile", "role"}
+    assert key["profile"] == "acme" and key["role"] == "client"
+    assert key["secret"].startswith("rsk_") and len(key["secret"]) >= 43
+    conn = sqlite3.connect(tmp_path / "ledger.db")
+    stored = conn.execute("SELECT secret_hash FROM api_keys").fetchone()[0]
+    assert key["secret"] not in stored and len(stored) == 64
+    assert conn.execute("SELECT id FROM profiles").fetchall() == [("acme",)]
+
+
+def test_data_dir_and_tasks_are_accepted_anywhere_after_the_subcommand(tmp_path, capsys):
+    code, out, _ = run(["keys", "create", "--data-dir", str(tmp_path), "--tasks",
+                        "runstile.demo", "--profile", "p", "--admin", "--json"], capsys)
+    assert code == 0 and last_json(out)["role"] == "admin"
+
+
+def test_keys_list_revoke_and_rotate(tmp_path, capsys):
+    d = ["--data-dir", str(tmp_path)]
+    _, out, _ = run(["keys", "create", "--profile", "a", "--json", *d], capsys)
+    key_id = last_json(out)["key_id"]
+    code, out, _ = run(["keys", "list", "--json", *d], capsys)
+    listed = last_json(out)["data"]
+    assert code == 0 and [k["id"] for k in listed] == [key_id]
+    assert "secret" not in json.dumps(listed) and "secret_hash" not in listed[0]
+    code, out, _ = run(["keys", "rotate", key_id, "--json", *d], capsys)
+    assert code == 0 and last_json(out)["key_id"] == key_id
+    assert run(["keys", "revoke", key_id, *d], capsys)[0] == 0
+    code, out, _ = run(["keys", "list", "--json", *d], capsys)
+    assert last_json(out)["data"][0]["revoked_at"] is not None
+    assert run(["keys", "rotate", key_id, *d], capsys)[0] == 1  # revoked keys stay dead
+
+
+def test_unknown_keys_are_a_failure_and_bad_usage_is_exit_2(tmp_path, capsys):
+    d = ["--data-dir", str(tmp_path)]
+    code, _, err = run(["keys", "revoke", "key_0000000000000000", *d], capsys)
+    assert code == 1 and "no key" in err
+    assert run(["keys", "create", *d], capsys)[0] == 2                      # --profile missing
+    assert run(["keys", "create", "--profile", "bad name!", *d], capsys)[0] == 2
+    assert run(["no-such-command"], capsys)[0] == 2
+
+
+def test_an_invalid_environment_value_is_a_usage_error_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RUNSTILE_BUSY_TIMEOUT_MS", "soon")
+    code, _, err = run(["db", "migrate", "--data-dir", str(tmp_path)], capsys)
+    assert code == 2 and "RUNSTILE_BUSY_TIMEOUT_MS" in err
+
+
+def test_db_migrate_check_and_backup(tmp_path, capsys):
+    d = ["--data-dir", str(tmp_path)]
+    code, out, _ = run(["db", "migrate", "--json", *d], capsys)
+    assert code == 0 and last_json(out)["version"] >= 1
+    run(["keys", "create", "--profile", "x", *d], capsys)
+    code, out, _ = run(["db", "check", "--json", *d], capsys)
+    report = last_json(out)
+    assert code == 0 and report["ok"] is True and report["journal_mode"] == "wal"
+    target = tmp_path / "copy.db"
+    code, out, _ = run(["db", "backup", str(target), "--json", *d], capsys)
+    assert code == 0 and last_json(out)["pages"] > 0
+    copy = sqlite3.connect(target)
+    assert copy.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert copy.execute("SELECT COUNT(*) FROM api_keys").fetchone()[0] == 1
+    assert run(["db", "backup", str(target), *d], capsys)[0] == 1          # exists, no --force
+    assert run(["db", "backup", str(target), "--force", *d], capsys)[0] == 0
+
+
+def test_db_check_reports_a_broken_invariant(tmp_path, capsys):
+    d = ["--data-dir", str(tmp_path)]
+    run(["keys", "create", "--profile", "x", *d], capsys)
+    conn = sqlite3.connect(tmp_path / "ledger.db")
+    conn.execute("UPDATE profiles SET active_runs = 5")
+    conn.commit()
+    code, out, _ = run(["db", "check", "--json", *d], capsys)
+    assert code == 1 and any("active_runs" in p for p in last_json(out)["problems"])
+
+
+def test_db_check_without_a_ledger_fails_clearly(tmp_path, capsys):
+    code, _, err = run(["db", "check", "--data-dir", str(tmp_path / "none")], capsys)
+    assert code == 1 and "no ledger" in err
+
+
+def test_the_console_script_runs_as_a_process(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "runstile", "keys", "create", "--profile",
+                             "proc", "--json", "--data-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert last_json(result.stdout)["profile"] == "proc"

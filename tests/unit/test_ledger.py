@@ -1,0 +1,133 @@
+"""The ledger's own mechanics: migrations, transactions, fingerprints, states, the SSRF guard."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from runstile.errors import LedgerCorrupt, LedgerUnavailable
+from runstile.fingerprint import fingerprint
+from runstile.ledger import db, migrations
+from runstile.ledger.states import RunStatus, TERMINAL, can_transition
+from runstile.netguard import callback_refusal
+
+
+def _migrate(path: str) -> int:
+    return migrations.migrate(__import__("pathlib").Path(path))
+
+
+def test_migrations_from_several_processes_apply_once(tmp_path):
+    path = str(tmp_path / "ledger.db")
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        starts = pool.map(_migrate, [path] * 4)
+    assert sorted(starts).count(0) >= 1
+    conn = db.connect(path)
+    assert migrations.current_version(conn) == migrations.LATEST_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT value FROM ledger_meta WHERE name = 'schema_version'"
+                        ).fetchone()[0] == str(migrations.LATEST_VERSION)
+
+
+def test_migrating_twice_changes_nothing(tmp_path):
+    path = tmp_path / "ledger.db"
+    assert migrations.migrate(path) == 0
+    assert migrations.migrate(path) == migrations.LATEST_VERSION
+
+
+def test_a_ledger_from_a_newer_runstile_is_refused(tmp_path):
+    path = tmp_path / "ledger.db"
+    migrations.migrate(path)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 999")
+    conn.close()
+    with pytest.raises(LedgerCorrupt, match="newer"):
+        migrations.migrate(path)
+
+
+def test_a_transaction_rolls_back_on_base_exceptions(tmp_path):
+    path = tmp_path / "ledger.db"
+    migrations.migrate(path)
+    conn = db.connect(path)
+    with pytest.raises(KeyboardInterrupt):
+        with db.transaction(conn):
+            conn.execute("INSERT INTO profiles (id, created_at) VALUES ('gone', 0)")
+            raise KeyboardInterrupt
+    assert not conn.in_transaction
+    assert conn.execute("SELECT COUNT(*) FROM profiles").fetchone()[0] == 0
+
+
+def test_nested_transactions_use_savepoints(tmp_path):
+    path = tmp_path / "ledger.db"
+    migrations.migrate(path)
+    conn = db.connect(path)
+    with db.transaction(conn):
+        conn.execute("INSERT INTO profiles (id, created_at) VALUES ('outer', 0)")
+        with pytest.raises(ValueError):
+            with db.transaction(conn):
+                conn.execute("INSERT INTO profiles (id, created_at) VALUES ('inner', 0)")
+                raise ValueError
+    assert [r[0] for r in conn.execute("SELECT id FROM profiles")] == ["outer"]
+
+
+def test_a_held_write_lock_becomes_ledger_unavailable(tmp_path):
+    path = tmp_path / "ledger.db"
+    migrations.migrate(path)
+    holder = db.connect(path)
+    holder.execute("BEGIN IMMEDIATE")
+    waiter = db.connect(path, busy_timeout_ms=50)
+    with pytest.raises(LedgerUnavailable):
+        with db.transaction(waiter):
+            pass
+    holder.execute("ROLLBACK")
+
+
+def test_a_terminal_run_never_changes_status_even_through_raw_sql(tmp_path):
+    path = tmp_path / "ledger.db"
+    migrations.migrate(path)
+    conn = db.connect(path)
+    conn.execute("INSERT INTO profiles (id, created_at) VALUES ('p', 0)")
+    conn.execute("INSERT INTO api_keys (id, profile_id, role, secret_hash, created_at) "
+                 "VALUES ('key_1', 'p', 'client', 'h', 0)")
+    conn.execute("INSERT INTO runs (id, profile_id, key_id, task, input, fingerprint, "
+                 "fingerprint_version, status, created_at, updated_at) "
+                 "VALUES ('r', 'p', 'key_1', 't', 'null', 'f', 1, 'queued', 0, 0)")
+    assert conn.execute("SELECT active_runs FROM profiles").fetchone()[0] == 1
+    conn.execute("UPDATE runs SET status = 'completed'")
+    assert conn.execute("SELECT active_runs FROM profiles").fetchone()[0] == 0
+    with pytest.raises(sqlite3.IntegrityError, match="terminal"):
+        conn.execute("UPDATE runs SET status = 'queued'")
+
+
+def test_the_fingerprint_is_canonical():
+    base = {"task": "t", "input": {"a": 1, "b": [1.0, "x"]}}
+    assert fingerprint(base) == fingerprint({"input": {"b": [1, "x"], "a": 1.0}, "task": "t"})
+    assert fingerprint(base) == fingerprint({**base, "metadata": None, "run_id": None})
+    assert fingerprint(base) != fingerprint({**base, "session_key": "s"})
+    assert fingerprint({"task": "t", "input": None}) != fingerprint({"task": "t", "input": {}})
+
+
+def test_the_lifecycle_allows_exactly_the_spec_edges():
+    assert can_transition("queued", "running") and can_transition("running", "stopping")
+    assert can_transition("paused", "queued") and can_transition("stopping", "cancelled")
+    assert not can_transition("queued", "completed")
+    assert not can_transition("waiting_for_approval", "running")
+    for status in TERMINAL:
+        assert not any(can_transition(status, target) for target in RunStatus)
+
+
+@pytest.mark.parametrize("url", ["http://127.1/", "http://2130706433/", "http://0x7f.1/",
+                                 "http://[::ffff:127.0.0.1]/", "http://0.0.0.0/",
+                                 "http://[::1]/", "http://100.64.0.1/", "http://224.0.0.1/",
+                                 "http://169.254.169.254/", "http://192.168.1.1/",
+                                 "http://foo.localhost/", "gopher://example.com/",
+                                 "http:///nohost", "http://example.com:99999/"])
+def test_refused_callback_targets(url):
+    assert callback_refusal(url) is not None
+
+
+def test_public_and_allowlisted_callback_targets_pass():
+    assert callback_refusal("https://hooks.example.com/x?y=1") is None
+    assert callback_refusal("http://127.0.0.1:8080/", ("127.0.0.0/8",)) is None
+    assert callback_refusal("http://internal.svc/", ("internal.svc",)) is None
