@@ -245,6 +245,26 @@ def serve(settings, host, port, web_workers, web_threads):
     run_gunicorn(settings)
 
 
+@cli.command("up")
+@_common
+@click.option("--host", default=None, help="Listen address [default 127.0.0.1].")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Listen port [default 8000].")
+@click.option("--workers", type=click.IntRange(1, 64), default=None,
+              help="Worker processes [default 2].")
+@click.option("--threads", type=click.IntRange(1, 256), default=None,
+              help="Threads per worker process [default 4].")
+@click.option("--web-workers", type=click.IntRange(1, 64), default=None,
+              help="Web processes [default 2].")
+def up(settings, host, port, workers, threads, web_workers):
+    """The main job: web, workers and recovery on the embedded broker, one process tree."""
+    from .up import Supervisor
+    settings = _host_port(settings, host, port).replace(
+        workers=workers or settings.workers, threads=threads or settings.threads,
+        web_workers=web_workers or settings.web_workers)
+    sys.exit(Supervisor(settings).run())
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 

@@ -20,10 +20,12 @@ brokers and ``worker.py``):
   broker that heartbeats its consumers (a ``broker_consumers`` row) and releases the
   rows of consumers whose heartbeat stopped, in any process.  A per-message timer would
   redeliver the delayed messages a live worker is rightly holding.
-* Idle wake-up: that same thread polls ``PRAGMA data_version`` (it changes whenever
-  another connection commits; a shared-memory read) every ``poll_interval_s`` and wakes
-  the waiting consumers, who then look for ready rows with one cheap read before taking
-  the write lock to claim.
+* Idle wake-up without a busy loop: that same thread sleeps on inotify for the ledger's
+  ``-wal`` file (Linux), and when a writer appends frames it polls ``PRAGMA
+  data_version`` (which moves when another connection commits) for the few milliseconds
+  until the commit is visible; elsewhere it polls ``data_version`` every
+  ``poll_interval_s``.  Woken consumers look for ready rows with one cheap read before
+  taking the write lock to claim.
 
 Delivery is at least once: a consumer that dies, closes or is restarted by Dramatiq gives
 its claimed rows back, and a delayed message is re-enqueued before its delay-queue row is
@@ -33,9 +35,12 @@ acked.  runstile's guarded claim makes every duplicate harmless (SPEC §2.3).
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
+import select
 import socket
 import sqlite3
+import sys
 import threading
 import time
 import uuid
@@ -60,9 +65,10 @@ from ..ledger import broker_queue, db
 DEFAULT_CONSUMER_TIMEOUT_S = 15.0
 #: Longest pause between two heartbeats of one process's consumers.
 MAX_HEARTBEAT_INTERVAL_S = 5.0
-#: Seconds between two ``PRAGMA data_version`` polls: the idle wake-up latency is about
-#: half of this plus one claim transaction.
-DEFAULT_POLL_INTERVAL_S = 0.005
+#: Seconds between two ``PRAGMA data_version`` polls when inotify is unavailable: the idle
+#: wake-up latency is then about half of this plus one claim transaction (each poll costs
+#: three syscalls, so polling much faster costs a visible share of a core).
+DEFAULT_POLL_INTERVAL_S = 0.01
 
 
 def default_middleware() -> list[Middleware]:
@@ -112,14 +118,17 @@ class SQLiteBroker(Broker):
       consumer_timeout_s: a consumer silent this long is dead; its rows go back to ready.
       heartbeat_interval_s: seconds between heartbeats (default: a third of the timeout,
         at most 5 s).
-      poll_interval_s: seconds between ``PRAGMA data_version`` polls while consuming.
+      poll_interval_s: seconds between ``PRAGMA data_version`` polls while consuming,
+        where inotify is unavailable (or ``wal_notify`` is False).
+      wal_notify: wake consumers through inotify on the ``-wal`` file (Linux).
     """
 
     def __init__(self, path: Path | str, *, synchronous: str = "FULL",
                  busy_timeout_ms: int = 5000, middleware: Optional[list[Middleware]] = None,
                  consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
                  heartbeat_interval_s: Optional[float] = None,
-                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                 wal_notify: bool = True) -> None:
         super().__init__(middleware=default_middleware() if middleware is None
                          else list(middleware))
         if not consumer_timeout_s > 0 or not poll_interval_s > 0:
@@ -134,6 +143,7 @@ class SQLiteBroker(Broker):
         if not 0 < self.heartbeat_interval_s < self.consumer_timeout_s:
             raise ValueError("heartbeat_interval_s must be > 0 and < consumer_timeout_s")
         self.poll_interval_s = float(poll_interval_s)
+        self.wal_notify = bool(wal_notify)
         self.queues: set[str] = set()
         self.pool = db.ConnectionPool(self.path, synchronous=synchronous,
                                       busy_timeout_ms=busy_timeout_ms)
@@ -425,13 +435,70 @@ class _SQLiteConsumer(Consumer):
         self._watcher.poke()  # a prefetch slot opened; __next__ may fetch again
 
 
+class _WalNotifier:
+    """Linux inotify on the ledger's ``-wal`` file: readable when any process appends
+    WAL frames.  A writer appends its frames *before* its commit becomes visible (the
+    fsync and the wal-index update come after), so an event means "a commit is on its
+    way", confirmed by ``PRAGMA data_version``.  None where inotify is unavailable."""
+
+    IN_MODIFY = 0x2
+    IN_NONBLOCK = 0o4000
+    IN_CLOEXEC = 0o2000000
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls, wal_path: str) -> Optional["_WalNotifier"]:
+        if not sys.platform.startswith("linux") or not os.path.exists(wal_path):
+            return None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(cls.IN_NONBLOCK | cls.IN_CLOEXEC)
+            if fd < 0:
+                return None
+            if libc.inotify_add_watch(fd, os.fsencode(wal_path), cls.IN_MODIFY) < 0:
+                os.close(fd)
+                return None
+        except (OSError, AttributeError):
+            return None
+        return cls(fd)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def drain(self) -> bool:
+        """Consume pending events; True if there were any."""
+        seen = False
+        try:
+            while os.read(self.fd, 4096):
+                seen = True
+        except BlockingIOError:
+            pass
+        return seen
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class _Watcher:
     """One thread per broker and process: heartbeats its consumers, reaps dead ones in
-    every process, and wakes waiting consumers when ``PRAGMA data_version`` moves.
+    every process, and wakes waiting consumers when another connection commits.
 
-    It runs only while the process has open consumers; a web process that only
-    enqueues never starts it.
+    Wake-up: block on inotify (:class:`_WalNotifier`) until a writer touches the WAL,
+    then poll ``PRAGMA data_version`` every ``settle_interval_s`` until the commit is
+    visible (or ``settle_window_s`` passes, e.g. the writer rolled back).  Without
+    inotify, poll ``data_version`` every ``poll_interval_s``.  Either way nothing spins
+    while the ledger is idle.  It runs only while the process has open consumers; a web
+    process that only enqueues never starts it.
     """
+
+    #: Seconds between data_version polls while a commit is on its way.
+    settle_interval_s = 0.002
+    #: Seconds after a WAL write before giving up on seeing its commit.
+    settle_window_s = 0.2
+    #: Longest block on inotify: a safety net for anything it could miss.
+    safety_poll_s = 1.0
 
     def __init__(self, broker: SQLiteBroker) -> None:
         self.broker = broker
@@ -442,13 +509,18 @@ class _Watcher:
         self.generation = 0
         self.consumers: dict[str, _SQLiteConsumer] = {}
         self.thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        #: "inotify" or "poll" once the thread has started (for tests and reports).
+        self.mode: Optional[str] = None
 
     def add(self, consumer: _SQLiteConsumer) -> None:
         with self.cond:
             self.consumers[consumer.consumer_id] = consumer
             if self.thread is None:
-                self._stop.clear()
+                self._stopping = False
                 self.thread = threading.Thread(target=self._run, daemon=True,
                                                name="runstile-sqlite-broker")
                 self.thread.start()
@@ -456,6 +528,8 @@ class _Watcher:
     def remove(self, consumer: _SQLiteConsumer) -> None:
         with self.cond:
             self.consumers.pop(consumer.consumer_id, None)
+            if not self.consumers:
+                self._interrupt()  # let the thread exit now
 
     def poke(self) -> None:
         with self.cond:
@@ -467,55 +541,97 @@ class _Watcher:
             self.cond.wait_for(lambda: self.generation != seen, timeout_s)
 
     def stop(self) -> None:
-        self._stop.set()
-        thread = self.thread
+        with self.cond:
+            self._stopping = True
+            thread = self.thread
+            self._interrupt()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
         self.poke()
 
-    def _run(self) -> None:
-        # The loop runs every poll_interval_s, so it stays lean: one PRAGMA and a plain
-        # sleep (an Event.wait with a timeout costs twice the CPU of a sleep per wake-up);
-        # the lock is taken only to heartbeat or to exit.
-        broker, sleep, monotonic = self.broker, time.sleep, time.monotonic
-        conn: Optional[sqlite3.Connection] = None
-        last_version = None
-        next_beat = 0.0
+    def _interrupt(self) -> None:
         try:
-            while not self._stop.is_set():
-                if not self.consumers:
-                    with self.cond:
-                        if not self.consumers:
-                            self.thread = None
-                            return
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is already pending) or closed
+
+    def _should_exit(self) -> bool:
+        with self.cond:
+            if self._stopping or not self.consumers:
+                self.thread = None
+                return True
+            return False
+
+    def _run(self) -> None:
+        broker, monotonic = self.broker, time.monotonic
+        conn: Optional[sqlite3.Connection] = None
+        notifier: Optional[_WalNotifier] = None
+        last_version = awaiting = None
+        next_beat = settle_until = 0.0
+        try:
+            while not self._should_exit():
                 try:
                     if conn is None:
                         conn = db.connect(broker.path, synchronous=broker.synchronous,
                                           busy_timeout_ms=broker.busy_timeout_ms)
-                    version = broker_queue.data_version(conn)
-                    if version != last_version:
-                        last_version = version
-                        self.poke()
-                    if monotonic() >= next_beat:
-                        next_beat = monotonic() + broker.heartbeat_interval_s
+                        last_version = broker_queue.data_version(conn)  # creates -wal
+                        if broker.wal_notify:
+                            notifier = _WalNotifier.open(str(broker.path) + "-wal")
+                        self.mode = "inotify" if notifier else "poll"
+                    now = monotonic()
+                    if now >= next_beat:
+                        next_beat = now + broker.heartbeat_interval_s
                         with self.cond:
                             live = [c.info for c in self.consumers.values()]
                         if broker_queue.heartbeat(conn, live):
                             self.poke()  # rows came back: local consumers may take them
-                except (RunstileError, sqlite3.Error):
+                    if notifier is None:
+                        waits, timeout = [self._wake_r], broker.poll_interval_s
+                    elif now < settle_until:
+                        waits, timeout = [self._wake_r], self.settle_interval_s
+                    else:
+                        waits = [self._wake_r, notifier.fd]
+                        timeout = min(self.safety_poll_s, max(0.0, next_beat - now))
+                    ready, _, _ = select.select(waits, [], [], timeout)
+                    if self._wake_r in ready:
+                        _drain_pipe(self._wake_r)
+                    written = notifier.drain() if notifier is not None else False
+                    version = broker_queue.data_version(conn)
+                    if version != last_version:
+                        last_version = version
+                        self.poke()
+                    if written:
+                        # Frames are in the WAL; their commit is visible once the version
+                        # moves past this one.  SQLite has one writer at a time, so every
+                        # earlier commit is already counted in it.
+                        awaiting, settle_until = version, monotonic() + self.settle_window_s
+                    elif awaiting is not None and (version != awaiting
+                                                   or monotonic() >= settle_until):
+                        awaiting, settle_until = None, 0.0
+                except (RunstileError, sqlite3.Error, OSError):
                     self.logger.warning("Embedded broker heartbeat failed; retrying.",
                                         exc_info=True)
+                    if notifier is not None:
+                        notifier.close()
                     if conn is not None:
                         conn.close()
-                    conn, last_version = None, None
+                    conn = notifier = None
                     pause = min(1.0, broker.heartbeat_interval_s)
                     next_beat = monotonic() + pause
-                    self._stop.wait(pause)
-                    continue
-                sleep(broker.poll_interval_s)
+                    select.select([self._wake_r], [], [], pause)
         finally:
             with self.cond:
                 if self.thread is threading.current_thread():
                     self.thread = None
+            if notifier is not None:
+                notifier.close()
             if conn is not None:
                 conn.close()
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass

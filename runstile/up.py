@@ -1,0 +1,125 @@
+"""``runstile up``: the whole system as one supervised process tree (SPEC §9).
+
+The supervisor holds the node lock for its whole life, starts a new node generation,
+prints the URL (and a bootstrap admin key on first start), then runs its children in
+its own process group and shuts them all down on SIGINT/SIGTERM, however many arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import click
+
+from .config import Settings
+from .ledger import db, keys, migrations, nodes
+from .nodelock import NodeLock
+
+#: Seconds children get after the drain timeout before they are killed (SPEC §6.4).
+KILL_GRACE_S = 5.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+
+
+@dataclass
+class Supervisor:
+    settings: Settings
+    children: list[Child] = field(default_factory=list)
+    stopping: bool = False
+
+    def _common_args(self) -> list[str]:
+        args = ["--data-dir", str(self.settings.data_dir)]
+        for module in self.settings.tasks:
+            args += ["--tasks", module]
+        return args
+
+    def plan(self) -> None:
+        s, runstile = self.settings, [sys.executable, "-m", "runstile"]
+        self.children.append(Child("web", [
+            *runstile, "serve", *self._common_args(), "--host", s.host, "--port", str(s.port),
+            "--web-workers", str(s.web_workers), "--threads", str(s.web_threads)]))
+
+    def bootstrap(self, generation: int) -> None:
+        conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous,
+                          busy_timeout_ms=self.settings.busy_timeout_ms)
+        try:
+            first_start = not keys.list_keys(conn)
+            secret = keys.create(conn, "default", label="bootstrap", role="admin")[1] \
+                if first_start else None
+        finally:
+            conn.close()
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        click.echo(f"runstile is up: http://{host}:{self.settings.port}  "
+                   f"(node {self.settings.node_id}, generation {generation}, "
+                   f"data {self.settings.data_dir})")
+        if secret:
+            click.echo("bootstrap admin key for profile 'default' (shown once, keep it):")
+            click.echo(f"  {secret}")
+            click.echo(f"try: curl -s -X POST http://{host}:{self.settings.port}/v1/runs "
+                       f"-H 'Authorization: Bearer {secret}' -H 'Content-Type: application/json' "
+                       "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
+        sys.stdout.flush()
+
+    def _on_signal(self, signum, frame) -> None:
+        del frame
+        if not self.stopping:
+            self.stopping = True
+            self._signal_children(signal.SIGTERM)
+
+    def _signal_children(self, signum: int) -> None:
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                try:
+                    child.proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def run(self) -> int:
+        lock = NodeLock(self.settings.data_dir, self.settings.node_id).acquire()
+        try:
+            migrations.migrate(self.settings.ledger_path, synchronous=self.settings.synchronous,
+                               busy_timeout_ms=self.settings.busy_timeout_ms)
+            conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous)
+            try:
+                generation = nodes.boot(conn, self.settings.node_id)
+            finally:
+                conn.close()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, self._on_signal)
+            self.plan()
+            for child in self.children:
+                child.proc = subprocess.Popen(child.argv, env={
+                    **os.environ, "RUNSTILE_GENERATION": str(generation)})
+            self.bootstrap(generation)
+            return self._watch()
+        finally:
+            lock.release()
+
+    def _watch(self) -> int:
+        failed = False
+        while not self.stopping:
+            for child in self.children:
+                code = child.proc.poll()
+                if code is not None:
+                    click.echo(f"runstile: {child.name} exited with {code}; stopping", err=True)
+                    failed = True
+                    self._on_signal(signal.SIGTERM, None)
+                    break
+            time.sleep(0.1)
+        deadline = time.monotonic() + self.settings.drain_timeout_s + KILL_GRACE_S
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
+            time.sleep(0.05)
+        self._signal_children(signal.SIGKILL)
+        for child in self.children:
+            child.proc.wait()
+        return 1 if failed else 0
