@@ -265,6 +265,30 @@ def up(settings, host, port, workers, threads, web_workers):
     sys.exit(Supervisor(settings).run())
 
 
+@cli.command("worker")
+@_common
+@click.option("--workers", type=click.IntRange(1, 64), default=None,
+              help="Worker processes [default 2].")
+@click.option("--threads", type=click.IntRange(1, 256), default=None,
+              help="Threads per worker process [default 4].")
+def worker(settings, workers, threads):
+    """Worker processes only (for deployments with Redis or RabbitMQ, or a separate web)."""
+    from .up import Supervisor
+    settings = settings.replace(workers=workers or settings.workers,
+                                threads=threads or settings.threads)
+    sys.exit(Supervisor(settings, web=False).run())
+
+
+@cli.command("worker-process", hidden=True)
+@_common
+@click.option("--generation", type=click.IntRange(1), required=True)
+@click.option("--threads", type=click.IntRange(1, 256), default=None)
+def worker_process(settings, generation, threads):
+    """One worker process; started by `up` / `worker`, which hold the node lock."""
+    from .workers import process
+    sys.exit(process.run(settings.replace(threads=threads or settings.threads), generation))
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 

@@ -7,7 +7,6 @@ its own process group and shuts them all down on SIGINT/SIGTERM, however many ar
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ class Child:
 @dataclass
 class Supervisor:
     settings: Settings
+    web: bool = True
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
 
@@ -43,11 +43,17 @@ class Supervisor:
             args += ["--tasks", module]
         return args
 
-    def plan(self) -> None:
+    def plan(self, generation: int) -> None:
         s, runstile = self.settings, [sys.executable, "-m", "runstile"]
-        self.children.append(Child("web", [
-            *runstile, "serve", *self._common_args(), "--host", s.host, "--port", str(s.port),
-            "--web-workers", str(s.web_workers), "--threads", str(s.web_threads)]))
+        if self.web:
+            self.children.append(Child("web", [
+                *runstile, "serve", *self._common_args(), "--host", s.host, "--port",
+                str(s.port), "--web-workers", str(s.web_workers), "--threads",
+                str(s.web_threads)]))
+        for n in range(s.workers):
+            self.children.append(Child(f"worker-{n + 1}", [
+                *runstile, "worker-process", *self._common_args(), "--generation",
+                str(generation), "--threads", str(s.threads)]))
 
     def bootstrap(self, generation: int) -> None:
         conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous,
@@ -96,11 +102,15 @@ class Supervisor:
                 conn.close()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, self._on_signal)
-            self.plan()
+            self.plan(generation)
             for child in self.children:
-                child.proc = subprocess.Popen(child.argv, env={
-                    **os.environ, "RUNSTILE_GENERATION": str(generation)})
-            self.bootstrap(generation)
+                child.proc = subprocess.Popen(child.argv)
+            if self.web:
+                self.bootstrap(generation)
+            else:
+                click.echo(f"runstile workers up: node {self.settings.node_id}, generation "
+                           f"{generation}, {self.settings.workers} processes x "
+                           f"{self.settings.threads} threads")
             return self._watch()
         finally:
             lock.release()

@@ -11,6 +11,7 @@ import time
 
 from flask import Blueprint, Response, jsonify, request
 
+from .. import dispatch
 from ..errors import InvalidRequest, RunNotFound, RunstileError, StreamsExhausted
 from ..ledger import events, runs
 from ..ledger.states import TERMINAL, RunStatus
@@ -49,7 +50,8 @@ def create_run():
         req, refusal = admission.build(request, principal(), settings=settings,
                                        task_names=state().task_names)
         admitted = runs.admit(conn(), req, refusal=refusal,
-                              max_active_runs=settings.max_active_runs)
+                              max_active_runs=settings.max_active_runs,
+                              enqueue=dispatch.in_transaction_enqueue(settings))
         _crashpoint("after_admit_commit")
         outcome = "replayed" if admitted.replayed else "created"
     except RunstileError as exc:

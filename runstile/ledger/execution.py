@@ -1,0 +1,169 @@
+"""Execution transitions (SPEC §4, §5): claim, heartbeat, finish, pause, re-queue.
+
+Each is one guarded UPDATE that names the status (and, for an owner's writes, the
+whole owner and a live lease) it expects, reports whether it won, and appends its
+event in the same transaction.  A loser changes nothing.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+from . import db, events
+from .db import NOW
+from .runs import Enqueue, add_dispatch
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a run's lease: (node, generation, process, thread) — SPEC §1."""
+
+    node: str
+    generation: int
+    pid: int
+    thread: int
+
+    def as_dict(self) -> dict:
+        return {"node": self.node, "generation": self.generation, "pid": self.pid,
+                "thread": self.thread}
+
+
+_OWNED = ("owner_node = ? AND owner_generation = ? AND owner_pid = ? AND owner_thread = ? "
+          f"AND lease_expires_at > {NOW}")
+
+
+def _owner_args(owner: Owner) -> tuple:
+    return owner.node, owner.generation, owner.pid, owner.thread
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of a claim: ``run`` is set when this worker won and may start the body."""
+
+    run: dict | None
+    outcome: str  # claimed | not_queued | unknown_task | missing
+
+
+def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
+          task_known) -> Claim:
+    """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
+
+    Race: two workers holding duplicate messages both get here; the write lock orders
+    them and the loser's UPDATE finds status != 'queued' and changes nothing.
+    """
+    with db.transaction(conn):
+        row = conn.execute("SELECT task, status FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            return Claim(None, "missing")
+        if row["status"] != "queued":
+            return Claim(None, "not_queued")
+        if not task_known(row["task"]):
+            failed = conn.execute(
+                "UPDATE runs SET status = 'failed', error_code = 'unknown_task', "
+                "error_message = ?, finished_at = " + NOW + ", updated_at = " + NOW + " "
+                "WHERE id = ? AND status = 'queued' RETURNING id",
+                (f"no task named {row['task']!r} is registered on this worker", run_id),
+            ).fetchone()
+            if failed is not None:
+                events.append(conn, run_id, "run.failed",
+                              {"error": {"code": "unknown_task"}})
+            return Claim(None, "unknown_task")
+        run = conn.execute(
+            "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
+            f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
+            f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, "
+            "interruption = NULL WHERE id = ? AND status = 'queued' RETURNING *",
+            (*_owner_args(owner), lease_s, run_id)).fetchone()
+        if run is None:
+            return Claim(None, "not_queued")
+        run = dict(run)
+        events.append(conn, run_id, "run.started",
+                      {"attempt": run["attempt"], "owner": owner.as_dict()})
+        return Claim(run, "claimed")
+
+
+def heartbeat(conn: sqlite3.Connection, node: str, generation: int, pid: int,
+              lease_s: float) -> set[str]:
+    """Renew every live lease this process holds, in one UPDATE; return the renewed ids.
+
+    A lease that already expired is not renewed: recovery may have handed the run on,
+    so the holder must treat it as lost rather than resurrect it.
+    """
+    with db.transaction(conn):
+        rows = conn.execute(
+            f"UPDATE runs SET lease_expires_at = {NOW} + ? WHERE owner_node = ? AND "
+            "owner_generation = ? AND owner_pid = ? AND status IN ('running', 'stopping') "
+            f"AND lease_expires_at > {NOW} RETURNING id",
+            (lease_s, node, generation, pid)).fetchall()
+    return {row[0] for row in rows}
+
+
+def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
+           result_json: str | None = None, error_code: str | None = None,
+           error_message: str | None = None) -> dict | None:
+    """running -> completed | failed, only for the current owner with a live lease.
+
+    Returns the finished run, or None when the caller no longer owns the run (a stale
+    owner can never record an outcome).
+    """
+    assert status in ("completed", "failed")
+    with db.transaction(conn):
+        run = conn.execute(
+            f"UPDATE runs SET status = ?, result = ?, error_code = ?, error_message = ?, "
+            f"finished_at = {NOW}, updated_at = {NOW}, lease_expires_at = NULL "
+            f"WHERE id = ? AND status = 'running' AND {_OWNED} RETURNING *",
+            (status, result_json, error_code, error_message, run_id, *_owner_args(owner)),
+        ).fetchone()
+        if run is None:
+            return None
+        data: dict = {"attempt": run["attempt"]}
+        if error_code is not None:
+            data["error"] = {"code": error_code, "message": error_message}
+        events.append(conn, run_id, f"run.{status}", data)
+        return dict(run)
+
+
+def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str) -> dict | None:
+    """running -> paused (a person must decide), only for the current owner."""
+    with db.transaction(conn):
+        run = conn.execute(
+            f"UPDATE runs SET status = 'paused', recovery_reason = ?, updated_at = {NOW}, "
+            f"lease_expires_at = NULL WHERE id = ? AND status = 'running' AND {_OWNED} "
+            "RETURNING *", (reason, run_id, *_owner_args(owner))).fetchone()
+        if run is None:
+            return None
+        events.append(conn, run_id, "run.paused", {"reason": reason})
+        return dict(run)
+
+
+def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, ...],
+            reason: str, event_type: str = "run.requeued", next_attempt: bool = True,
+            enqueue: Enqueue | None = None) -> dict | None:
+    """``from_statuses`` -> queued for another execution, with a dispatch record.
+
+    Used by task retries, /resume, recovery and drain (SPEC §4).  The owner and lease
+    are cleared, so the next claim starts afresh; the event is written before any new
+    start, which is what lets a history checker tell a re-run from a duplicate.
+    """
+    placeholders = ", ".join("?" for _ in from_statuses)
+    with db.transaction(conn):
+        run = conn.execute(
+            f"UPDATE runs SET status = 'queued', attempt = attempt + ?, recovery_reason = ?, "
+            "owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
+            f"owner_thread = NULL, lease_expires_at = NULL, updated_at = {NOW} "
+            f"WHERE id = ? AND status IN ({placeholders}) RETURNING *",
+            (1 if next_attempt else 0, reason, run_id, *from_statuses)).fetchone()
+        if run is None:
+            return None
+        run = dict(run)
+        events.append(conn, run_id, event_type, {"reason": reason, "attempt": run["attempt"]})
+        add_dispatch(conn, run, reason, enqueue)
+        return run
+
+
+def owns(conn: sqlite3.Connection, run_id: str, owner: Owner) -> dict | None:
+    """The run's row if ``owner`` still holds a live lease on it (inside a transaction)."""
+    row = conn.execute(f"SELECT * FROM runs WHERE id = ? AND status IN ('running', 'stopping') "
+                       f"AND {_OWNED}", (run_id, *_owner_args(owner))).fetchone()
+    return None if row is None else dict(row)

@@ -1,0 +1,102 @@
+"""The journal of a run's body (SPEC §5): steps and emits by call position.
+
+Every write is fenced: it happens in a transaction that first proves the caller still
+owns the run with a live lease (execution.owns).  A zombie worker that wakes after its
+lease expired therefore cannot start a step or add an event.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+
+from ..errors import LeaseLost
+from . import db, events
+from .db import NOW
+from .execution import Owner, owns
+
+
+@dataclass(frozen=True)
+class Entry:
+    position: int
+    kind: str
+    name: str
+    args_hash: str
+    state: str
+    result: str | None
+    starts: int
+
+
+def entries(conn: sqlite3.Connection, run_id: str) -> dict[int, Entry]:
+    """All journal rows of a run, by position (read once when a body starts)."""
+    with db.ledger_errors():
+        rows = conn.execute("SELECT position, kind, name, args_hash, state, result, starts "
+                            "FROM journal WHERE run_id = ?", (run_id,)).fetchall()
+    return {r["position"]: Entry(*tuple(r)) for r in rows}
+
+
+def _fence(conn, run_id: str, owner: Owner) -> dict:
+    run = owns(conn, run_id, owner)
+    if run is None:
+        raise LeaseLost(f"run {run_id} is no longer owned by this worker")
+    return run
+
+
+def start_step(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
+               name: str, args_hash: str, idempotent: bool, restart: bool) -> dict:
+    """Journal "started" for a step, fenced on the lease; returns the run row.
+
+    ``restart`` is set when a row for this position exists and the step must run again
+    (idempotent, failed before, or a person accepted the uncertainty): the row records
+    the new start instead of a second row.
+    """
+    with db.transaction(conn):
+        run = _fence(conn, run_id, owner)
+        if restart:
+            conn.execute(
+                f"UPDATE journal SET state = 'started', result = NULL, attempt = ?, "
+                f"starts = starts + 1, started_at = {NOW}, completed_at = NULL "
+                "WHERE run_id = ? AND position = ?", (run["attempt"], run_id, position))
+        else:
+            conn.execute(
+                "INSERT INTO journal (run_id, position, kind, name, args_hash, idempotent, "
+                f"state, attempt, started_at) VALUES (?, ?, 'step', ?, ?, ?, 'started', ?, {NOW})",
+                (run_id, position, name, args_hash, int(idempotent), run["attempt"]))
+        return run
+
+
+def settle_step(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
+                state: str, result_json: str | None) -> bool:
+    """started -> completed | failed for the current owner; False if it lost the run."""
+    with db.transaction(conn):
+        if owns(conn, run_id, owner) is None:
+            return False
+        cur = conn.execute(
+            f"UPDATE journal SET state = ?, result = ?, completed_at = {NOW} "
+            "WHERE run_id = ? AND position = ? AND state = 'started'",
+            (state, result_json, run_id, position))
+        return cur.rowcount == 1
+
+
+def record_emit(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
+                type_: str, data: object, args_hash: str) -> int:
+    """Append a task event and its journal row in one fenced transaction; return seq."""
+    with db.transaction(conn):
+        run = _fence(conn, run_id, owner)
+        seq = events.append(conn, run_id, type_, data)
+        conn.execute(
+            "INSERT INTO journal (run_id, position, kind, name, args_hash, state, result, "
+            f"attempt, started_at, completed_at) VALUES (?, ?, 'emit', ?, ?, 'completed', ?, ?, "
+            f"{NOW}, {NOW})",
+            (run_id, position, type_, args_hash, json.dumps(seq), run["attempt"]))
+        return seq
+
+
+def uncertain_steps(conn: sqlite3.Connection, run_id: str) -> list[str]:
+    """Names of non-idempotent steps that started and never settled (SPEC §6.3)."""
+    with db.ledger_errors():
+        rows = conn.execute("SELECT name FROM journal WHERE run_id = ? AND kind = 'step' AND "
+                            "state = 'started' AND idempotent = 0 ORDER BY position",
+                            (run_id,)).fetchall()
+    return [r[0] for r in rows]

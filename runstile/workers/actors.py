@@ -1,0 +1,130 @@
+"""The one Dramatiq actor: claim, then run the task body, then record the outcome.
+
+Thin on purpose (DESIGN §1).  The claim is the gate of at-most-once execution: a
+message whose claim loses — a duplicate, a redelivery, a run already finished or
+stopped — is acknowledged as a logged no-op, and the body never starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+
+import dramatiq
+
+from .. import dispatch
+from ..config import Settings
+from ..errors import LedgerUnavailable
+from ..ledger import execution
+from ..ledger.db import ConnectionPool
+from ..ledger.execution import Owner
+from . import registry
+from .context import (Interrupt, LeaseLostInterrupt, PausedInterrupt, RunContext, Stopped,
+                      TimeLimitInterrupt)
+from .lease import Executions
+
+log = logging.getLogger("runstile.workers")
+
+#: Milliseconds before a message whose claim hit an unavailable ledger is tried again.
+CLAIM_RETRY_DELAY_MS = 1000
+
+
+class Executor:
+    """Everything ``execute_run`` needs, built once per worker process."""
+
+    def __init__(self, settings: Settings, broker: dramatiq.Broker, *, node: str,
+                 generation: int, executions: Executions, pool: ConnectionPool) -> None:
+        self.settings, self.broker = settings, broker
+        self.node, self.generation = node, generation
+        self.executions, self.pool = executions, pool
+
+    def owner(self) -> Owner:
+        return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
+
+    def __call__(self, run_id: str, dispatch_id: int | None = None) -> None:
+        owner = self.owner()
+        conn = self.pool.get()
+        try:
+            claim = execution.claim(conn, run_id, owner, lease_s=self.settings.lease_s,
+                                    task_known=lambda name: registry.get(name) is not None)
+        except LedgerUnavailable as exc:
+            # The run stays queued; try the message again shortly instead of losing it.
+            log.warning("run %s: claim failed (%s); retrying in %d ms", run_id, exc.message,
+                        CLAIM_RETRY_DELAY_MS)
+            self.pool.discard()
+            self.broker.enqueue(dispatch.message_for(run_id, dispatch_id),
+                                delay=CLAIM_RETRY_DELAY_MS)
+            return
+        if claim.run is None:
+            log.info("run %s: claim lost (%s); message acknowledged as a no-op (dispatch %s)",
+                     run_id, claim.outcome, dispatch_id)
+            return
+        self._execute(claim.run, owner, conn)
+
+    def _execute(self, run: dict, owner: Owner, conn) -> None:
+        spec = registry.get(run["task"])
+        item = self.executions.begin(run["id"], owner, spec.time_limit_s)
+        outcome: dict | None = None
+        try:
+            try:
+                ctx = RunContext(run, owner, conn, stop_requested=lambda: item.stop_requested,
+                                 lease_lost=lambda: item.lost)
+                value = self._call(spec, ctx, json.loads(run["input"]))
+                outcome = self._completed(value)
+            except Interrupt:
+                raise
+            except Exception as exc:  # the task's own failure: recorded, never re-raised
+                outcome = {"status": "failed", "error_code": getattr(exc, "code", None)
+                           if isinstance(getattr(exc, "code", None), str) else "task_error",
+                           "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                still_ours = self.executions.finishing(item)
+        except (LeaseLostInterrupt, TimeLimitInterrupt, PausedInterrupt) as exc:
+            log.info("run %s: body unwound (%s)", run["id"], type(exc).__name__)
+            return
+        except Stopped:
+            log.info("run %s: body stopped on request", run["id"])
+            return
+        finally:
+            self.executions.end(item)
+        if not still_ours:
+            return
+        finished = execution.finish(conn, run["id"], owner, **outcome)
+        if finished is None:
+            log.warning("run %s: no longer owned by this worker; outcome %s dropped",
+                        run["id"], outcome["status"])
+
+    @staticmethod
+    def _call(spec: registry.TaskSpec, ctx: RunContext, value):
+        if spec.is_async:
+            return asyncio.run(spec.fn(ctx, value))
+        return spec.fn(ctx, value)
+
+    def _completed(self, value) -> dict:
+        try:
+            encoded = json.dumps(value, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            return {"status": "failed", "error_code": "invalid_result",
+                    "error_message": f"the task returned a value that is not JSON: {exc}"}
+        if len(encoded.encode()) > self.settings.max_result_bytes:
+            return {"status": "failed", "error_code": "result_too_large",
+                    "error_message": f"the result is larger than "
+                                     f"{self.settings.max_result_bytes} bytes"}
+        return {"status": "completed", "result_json": encoded}
+
+
+def declare(broker: dramatiq.Broker, executor: Executor) -> dramatiq.Actor:
+    """Bind the executor to ``broker`` as the actor dispatch.ACTOR on dispatch.QUEUE.
+
+    No retry or time-limit options: those are ledger transitions, never Dramatiq's (the
+    broker's middleware list leaves Retries and TimeLimit out, so the options do not
+    even exist).
+    """
+    def runstile_execute(run_id: str, dispatch_id: int | None = None) -> None:
+        executor(run_id, dispatch_id)
+
+    return dramatiq.actor(runstile_execute, actor_name=dispatch.ACTOR, queue_name=dispatch.QUEUE,
+                          broker=broker)

@@ -1,0 +1,30 @@
+"""RUNSTILE_BROKER_URL -> a Dramatiq broker with runstile's explicit middleware list.
+
+Dramatiq's defaults are left out on purpose (DESIGN §4): Retries would redeliver a
+failed message, TimeLimit raises asynchronously at any point, AgeLimit drops
+re-published messages.  runstile retries and limits runs through the ledger, and runs
+``async def`` bodies itself, so no middleware is needed at all.
+"""
+
+from __future__ import annotations
+
+import dramatiq
+
+from ..config import Settings
+
+
+def middleware() -> list:
+    return []
+
+
+def make_broker(settings: Settings) -> dramatiq.Broker:
+    url = settings.broker_url
+    if url == "sqlite":
+        from .sqlite_broker import SQLiteBroker
+        return SQLiteBroker(settings.ledger_path, synchronous=settings.synchronous,
+                            busy_timeout_ms=settings.busy_timeout_ms, middleware=middleware())
+    if url.startswith(("redis://", "rediss://")):
+        from dramatiq.brokers.redis import RedisBroker
+        return RedisBroker(url=url, middleware=middleware())
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    return RabbitmqBroker(url=url, middleware=middleware())

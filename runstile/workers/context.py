@@ -1,0 +1,186 @@
+"""RunContext: what a task body sees (SPEC §5), and the interrupts that unwind a body.
+
+Every journaled call (``step``, ``emit``) takes the next call position; when a body runs
+again for the same run, a position already in the journal is replayed from it instead
+of being repeated.  Interrupts derive from BaseException so that a task's own
+``except Exception`` cannot swallow a stop, a lost lease or a time limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from typing import Any, Callable
+
+import rfc8785
+
+from ..errors import LeaseLost, RunstileError
+from ..ledger import execution, journal
+from ..ledger.execution import Owner
+
+#: Largest event payload a task may emit, in bytes of JSON (SPEC §3.3).
+MAX_EVENT_DATA_BYTES = 64 * 1024
+#: Event type prefixes only runstile writes (``run.progress`` excepted).
+RESERVED_PREFIXES = ("run.", "approval.", "delivery.")
+
+
+class Interrupt(BaseException):
+    """Raised inside a task body to unwind it; never catch it in task code."""
+
+
+class Stopped(Interrupt):
+    """Raised by ``checkpoint``/``emit``/``step`` when a stop was requested for the run."""
+
+
+class LeaseLostInterrupt(Interrupt):
+    """Raised when this worker no longer owns the run: it must not touch it again."""
+
+
+class TimeLimitInterrupt(Interrupt):
+    """Raised when the task's time_limit_s passed; the run has already failed."""
+
+
+class PausedInterrupt(Interrupt):
+    """Raised after the run was paused (nondeterministic replay): the body must stop."""
+
+
+class InvalidEvent(RunstileError):
+    """Raised when a task emits a reserved, malformed or oversized event."""
+
+    code = "invalid_event"
+
+
+def args_hash(*parts: Any) -> str:
+    """A stable hash of a journaled call's arguments (JCS when possible, else repr)."""
+    try:
+        canonical = rfc8785.dumps(list(parts))
+    except (rfc8785.CanonicalizationError, ValueError, TypeError):
+        canonical = repr(parts).encode("utf-8", "backslashreplace")
+    return hashlib.sha256(canonical).hexdigest()
+
+
+class RunContext:
+    """The handle a task body gets: identity of the run plus journaled operations."""
+
+    def __init__(self, run: dict, owner: Owner, conn: sqlite3.Connection, *,
+                 stop_requested: Callable[[], bool] = lambda: False,
+                 lease_lost: Callable[[], bool] = lambda: False) -> None:
+        self.run_id: str = run["id"]
+        self.attempt: int = run["attempt"]
+        self.session_key: str | None = run["session_key"]
+        self.trigger_id: str | None = run["trigger_id"]
+        self.metadata: dict = json.loads(run["metadata"]) if run["metadata"] else {}
+        self._owner = owner
+        self._conn = conn
+        self._stop_requested = stop_requested
+        self._lease_lost = lease_lost
+        self._journal = journal.entries(conn, self.run_id)
+        self._position = 0
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested()
+
+    def checkpoint(self) -> None:
+        """Raise Stopped if a stop is pending (and unwind if the lease was lost)."""
+        if self._lease_lost():
+            raise LeaseLostInterrupt(self.run_id)
+        if self._stop_requested():
+            raise Stopped(self.run_id)
+
+    def _next_position(self) -> int:
+        self._position += 1
+        return self._position
+
+    def _replay_mismatch(self, position: int, entry: journal.Entry, kind: str, name: str) -> None:
+        """The body asked for something other than what the journal recorded here: the
+        body is not deterministic, so replaying further would be guessing.  Pause."""
+        reason = "nondeterministic_replay"
+        paused = execution.pause(self._conn, self.run_id, self._owner, reason)
+        if paused is None:
+            raise LeaseLostInterrupt(self.run_id)
+        raise PausedInterrupt(f"position {position}: journal has {entry.kind} {entry.name!r}, "
+                              f"body asked for {kind} {name!r}")
+
+    # ------------------------------------------------------------ emit
+
+    def emit(self, type: str, data: Any = None) -> None:
+        """Append a durable event to the run (replayed, not repeated, on a re-run)."""
+        if not isinstance(type, str) or not 1 <= len(type) <= 128:
+            raise InvalidEvent("an event type is a string of 1-128 characters")
+        if type.startswith(RESERVED_PREFIXES) and type != "run.progress":
+            raise InvalidEvent(f"event type {type!r} uses a reserved prefix "
+                               f"({', '.join(RESERVED_PREFIXES)}; run.progress is allowed)")
+        try:
+            encoded = json.dumps({} if data is None else data, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise InvalidEvent(f"event data must be JSON: {exc}") from None
+        if len(encoded.encode()) > MAX_EVENT_DATA_BYTES:
+            raise InvalidEvent(f"event data is larger than {MAX_EVENT_DATA_BYTES} bytes")
+        self.checkpoint()
+        position = self._next_position()
+        digest = args_hash(type, json.loads(encoded))
+        entry = self._journal.get(position)
+        if entry is not None:
+            if (entry.kind, entry.name, entry.args_hash) != ("emit", type, digest):
+                self._replay_mismatch(position, entry, "emit", type)
+            return  # already recorded by an earlier execution of this body
+        try:
+            journal.record_emit(self._conn, self.run_id, self._owner, position=position,
+                                type_=type, data=json.loads(encoded), args_hash=digest)
+        except LeaseLost:
+            raise LeaseLostInterrupt(self.run_id) from None
+
+    # ------------------------------------------------------------ step
+
+    def step(self, name: str, fn: Callable, *args: Any, idempotent: bool = False,
+             **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per run, journaled; return its JSON result.
+
+        Matched by name and call order on a re-run: a completed step returns its
+        recorded result without running; different arguments pause the run
+        (nondeterministic_replay).
+        """
+        if not isinstance(name, str) or not 1 <= len(name) <= 128:
+            raise ValueError("a step name is a string of 1-128 characters")
+        self.checkpoint()
+        position = self._next_position()
+        digest = args_hash(name, list(args), kwargs)
+        entry = self._journal.get(position)
+        if entry is not None:
+            if (entry.kind, entry.name, entry.args_hash) != ("step", name, digest):
+                self._replay_mismatch(position, entry, "step", name)
+            if entry.state == "completed":
+                return json.loads(entry.result)
+        try:
+            # Fenced on the lease: a worker that lost the run cannot start a step.
+            journal.start_step(self._conn, self.run_id, self._owner, position=position,
+                               name=name, args_hash=digest, idempotent=idempotent,
+                               restart=entry is not None)
+        except LeaseLost:
+            raise LeaseLostInterrupt(self.run_id) from None
+        try:
+            result = fn(*args, **kwargs)
+            result_json = json.dumps(result, separators=(",", ":"))
+        except Interrupt:
+            raise  # the step's outcome is unknown: its row stays 'started'
+        except (TypeError, ValueError) as exc:
+            if "JSON serializable" in str(exc) or "Circular reference" in str(exc):
+                self._settle(position, "failed", {"error": f"step result is not JSON: {exc}"})
+                raise TypeError(f"step {name!r} returned a value that is not JSON: {exc}") from None
+            self._settle(position, "failed", {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        except Exception as exc:
+            self._settle(position, "failed", {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        if not journal.settle_step(self._conn, self.run_id, self._owner, position=position,
+                                   state="completed", result_json=result_json):
+            raise LeaseLostInterrupt(self.run_id)
+        return json.loads(result_json)
+
+    def _settle(self, position: int, state: str, detail: dict) -> None:
+        journal.settle_step(self._conn, self.run_id, self._owner, position=position,
+                            state=state, result_json=json.dumps(detail))

@@ -1,0 +1,140 @@
+"""One heartbeat per process (SPEC §5): renews every lease it holds in one UPDATE,
+interrupts bodies whose lease was lost, and enforces task time limits.
+
+Interrupting a thread means raising an exception in it asynchronously (as Dramatiq's
+TimeLimit does).  The danger is hitting a thread that has already moved on to another
+message, so each execution carries a lock-protected ``finishing`` flag: the executor
+sets it the moment the body returns or raises, and the keeper only interrupts an
+execution that is not finishing, under the same lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..config import Settings
+from ..errors import RunstileError
+from ..ledger import execution
+from ..ledger.db import ConnectionPool
+from ..ledger.execution import Owner
+from .context import Interrupt, LeaseLostInterrupt, TimeLimitInterrupt
+
+log = logging.getLogger("runstile.workers")
+
+
+@dataclass
+class Execution:
+    run_id: str
+    owner: Owner
+    thread_id: int
+    tracked_at: float
+    deadline: float | None
+    finishing: bool = False
+    lost: bool = False
+    timed_out: bool = False
+    stop_requested: bool = False
+
+
+@dataclass
+class Executions:
+    """The bodies this process is running right now."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: dict[str, Execution] = field(default_factory=dict)
+
+    def begin(self, run_id: str, owner: Owner, time_limit_s: float | None) -> Execution:
+        now = time.monotonic()
+        item = Execution(run_id, owner, threading.get_ident(), now,
+                         None if time_limit_s is None else now + time_limit_s)
+        with self.lock:
+            self.active[run_id] = item
+        return item
+
+    def finishing(self, item: Execution) -> bool:
+        """Mark the body done; True if the keeper had not already taken the run over."""
+        with self.lock:
+            item.finishing = True
+            return not (item.lost or item.timed_out)
+
+    def end(self, item: Execution) -> None:
+        with self.lock:
+            self.active.pop(item.run_id, None)
+
+    def snapshot(self) -> list[Execution]:
+        with self.lock:
+            return list(self.active.values())
+
+    def interrupt(self, item: Execution, exc: type[Interrupt], flag: str) -> bool:
+        """Raise ``exc`` in the body's thread unless it is already finishing."""
+        with self.lock:
+            if item.finishing or item.lost or item.timed_out:
+                return False
+            setattr(item, flag, True)
+            hits = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(item.thread_id), ctypes.py_object(exc))
+            if hits > 1:  # cannot happen for a live thread id; undo as CPython advises
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(item.thread_id), None)
+            return hits == 1
+
+
+class LeaseKeeper(threading.Thread):
+    """The process's heartbeat thread."""
+
+    def __init__(self, settings: Settings, node: str, generation: int, pid: int,
+                 executions: Executions, pool: ConnectionPool) -> None:
+        super().__init__(name="runstile-heartbeat", daemon=True)
+        self.settings, self.node, self.generation, self.pid = settings, node, generation, pid
+        self.executions, self.pool = executions, pool
+        self._stop_event = threading.Event()
+        #: How often time limits are checked; heartbeats run every heartbeat_s.
+        self.tick_s = min(0.25, settings.heartbeat_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        next_beat = time.monotonic() + self.settings.heartbeat_s
+        while not self._stop_event.wait(self.tick_s):
+            self.enforce_time_limits()
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.settings.heartbeat_s
+                self.beat()
+
+    def beat(self) -> None:
+        began = time.monotonic()
+        try:
+            renewed = execution.heartbeat(self.pool.get(), self.node, self.generation,
+                                          self.pid, self.settings.lease_s)
+        except RunstileError as exc:
+            log.warning("heartbeat failed (leases may lapse): %s", exc.message)
+            self.pool.discard()
+            return
+        for item in self.executions.snapshot():
+            # Only executions claimed before this heartbeat's UPDATE can be judged by it.
+            if item.tracked_at < began and item.run_id not in renewed:
+                if self.executions.interrupt(item, LeaseLostInterrupt, "lost"):
+                    log.warning("run %s: lease lost; interrupting its body", item.run_id)
+
+    def enforce_time_limits(self) -> None:
+        now = time.monotonic()
+        for item in self.executions.snapshot():
+            if item.deadline is None or now < item.deadline or item.finishing:
+                continue
+            # Write the outcome first (guarded on ownership), then unwind the body.
+            try:
+                failed = execution.finish(
+                    self.pool.get(), item.run_id, item.owner, status="failed",
+                    error_code="time_limit_exceeded",
+                    error_message="the task ran past its time_limit_s")
+            except RunstileError as exc:
+                log.warning("run %s: could not record its time limit: %s", item.run_id,
+                            exc.message)
+                continue
+            if failed is None:
+                self.executions.interrupt(item, LeaseLostInterrupt, "lost")
+            elif self.executions.interrupt(item, TimeLimitInterrupt, "timed_out"):
+                log.warning("run %s: time limit exceeded; interrupting its body", item.run_id)
