@@ -65,7 +65,17 @@ CREATE TABLE runs (
     created_at          REAL NOT NULL,
     updated_at          REAL NOT NULL,
     started_at          REAL,
-    finished_at         REAL
+    finished_at         REAL,
+    -- The lease (SPEC §5): set by the claim, renewed by the owner process's heartbeat,
+    -- cleared when the run leaves running/stopping.  Owner = (node, generation, pid,
+    -- thread); a guarded UPDATE that names all four is how a worker proves it still
+    -- owns the run.  interruption = 'drain' marks a controlled interruption (§6.4).
+    owner_node          TEXT,
+    owner_generation    INTEGER,
+    owner_pid           INTEGER,
+    owner_thread        INTEGER,
+    lease_expires_at    REAL,
+    interruption        TEXT
 );
 CREATE INDEX runs_by_scope   ON runs (profile_id, key_id, seq);
 CREATE INDEX runs_by_profile ON runs (profile_id, seq);
@@ -117,6 +127,31 @@ CREATE TABLE idempotency_keys (
     PRIMARY KEY (profile_id, key_id, idempotency_key)
 ) WITHOUT ROWID;
 CREATE INDEX idempotency_keys_by_run ON idempotency_keys (run_id);
+
+CREATE INDEX runs_by_owner   ON runs (owner_node, owner_generation, owner_pid)
+    WHERE owner_node IS NOT NULL;
+
+-- journal: what each execution of a run's body did, in call order (SPEC §5 steps).
+-- One row per journaled call (ctx.step, ctx.emit; later deliver and request_approval),
+-- keyed by (run, position).  Written by the owning worker only, each write guarded on
+-- its lease; a re-run body replays completed rows instead of repeating them.
+-- state: started -> completed | failed.  A non-idempotent step left 'started' by a
+-- dead owner is an uncertain side effect (SPEC §6.3).
+CREATE TABLE journal (
+    run_id       TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    position     INTEGER NOT NULL,
+    kind         TEXT NOT NULL CHECK (kind IN ('step', 'emit', 'deliver', 'approval')),
+    name         TEXT NOT NULL,
+    args_hash    TEXT NOT NULL,
+    idempotent   INTEGER NOT NULL DEFAULT 0,
+    state        TEXT NOT NULL CHECK (state IN ('started', 'completed', 'failed')),
+    result       TEXT,                                  -- JSON
+    attempt      INTEGER NOT NULL,                      -- the run attempt that last started it
+    starts       INTEGER NOT NULL DEFAULT 1,            -- how many times it was started
+    started_at   REAL NOT NULL,
+    completed_at REAL,
+    PRIMARY KEY (run_id, position)
+) WITHOUT ROWID;
 
 -- key_tombstones / run_tombstones: what retention purged, remembered until expires_at so
 -- that a late retry answers 410 instead of silently creating a second run (SPEC §8).
