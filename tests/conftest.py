@@ -247,3 +247,50 @@ def broker_available(kind: str) -> bool:
         if os.environ.get("CI"):
             pytest.fail(message + " (CI is set, so this is a failure, not a skip)")
         pytest.skip(message)
+
+
+@dataclass
+class System(Server):
+    """A real ``runstile up``: supervisor, gunicorn web and Dramatiq worker processes."""
+
+    workers: int = 2
+    threads: int = 4
+    tasks: tuple[str, ...] = ("tests.workers.exec_tasks", "runstile.demo")
+
+    def start(self, **extra_env: str) -> "System":
+        env = {**os.environ, **self.env, **extra_env}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.log_path = self.data_dir.parent / f"up-{self.port}.log"
+        log = open(self.log_path, "ab")
+        task_args = [arg for module in self.tasks for arg in ("--tasks", module)]
+        self.proc = subprocess.Popen(
+            [*RUNSTILE, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
+             "--web-workers", str(self.web_workers), "--workers", str(self.workers),
+             "--threads", str(self.threads), *task_args],
+            env=env, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+        log.close()
+        wait_until(self._ready, 30, 0.05, f"runstile up on {self.url}")
+        return self
+
+
+@pytest.fixture
+def make_system(ledger):
+    systems: list[System] = []
+
+    def make(workers: int = 2, threads: int = 4, web_workers: int = 1, **env: str) -> System:
+        system = System(ledger.data_dir, env, web_workers=web_workers, workers=workers,
+                        threads=threads)
+        systems.append(system)
+        return system.start()
+
+    yield make
+    for system in systems:
+        system.kill()
+
+
+def wait_for_status(api: "Api", run_id: str, statuses=("completed", "failed", "cancelled",
+                                                       "interrupted"), timeout_s: float = 30):
+    def done():
+        run = api.get(f"/v1/runs/{run_id}").json()
+        return run if run["status"] in statuses else None
+    return wait_until(done, timeout_s, 0.05, f"run {run_id} to reach {statuses}")

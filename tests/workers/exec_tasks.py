@@ -1,0 +1,97 @@
+"""Tasks the execution tests run in real worker processes.
+
+Each writes to an *external* execution log (a file named in its input, not the ledger),
+one line per body start or step call, so tests can count executions independently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import runstile
+
+
+def log_line(path: str, line: str) -> None:
+    # O_APPEND writes of one short line are atomic across processes.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@runstile.task("t.log_start")
+def log_start(ctx, input):
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    return {"n": input.get("n")}
+
+
+@runstile.task("t.steps")
+def steps(ctx, input):
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+
+    def side_effect(tag):
+        log_line(input["log"], f"call {tag} {ctx.run_id}")
+        return {"tag": tag, "pid": os.getpid()}
+
+    first = ctx.step("first", side_effect, "a")
+    ctx.emit("run.progress", {"pct": 50})
+    second = ctx.step("second", side_effect, "b", idempotent=True)
+    wait_for(input.get("release"))
+    return {"first": first, "second": second}
+
+
+def wait_for(path: str | None, timeout_s: float = 60) -> None:
+    """Hold the body until the test creates ``path`` (plain sleeps: no journaled calls)."""
+    deadline = time.monotonic() + timeout_s
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@runstile.task("t.changing_args")
+def changing_args(ctx, input):
+    ctx.step("pick", lambda value: value, ctx.attempt)  # differs on every attempt
+    wait_for(input.get("release"))
+    return "finished"
+
+
+@runstile.task("t.stream")
+def stream(ctx, input):
+    for i in range(input.get("count", 20)):
+        ctx.emit("message.delta", {"i": i})
+        time.sleep(input.get("delay_s", 0.05))
+    return {"count": input.get("count", 20)}
+
+
+@runstile.task("t.big_result")
+def big_result(ctx, input):
+    return "x" * input["size"]
+
+
+@runstile.task("t.reserved")
+def reserved(ctx, input):
+    ctx.emit("run.completed", {})
+    return "unreachable"
+
+
+@runstile.task("t.sleepy", time_limit_s=0.5)
+def sleepy(ctx, input):
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    for _ in range(200):
+        time.sleep(0.05)
+    log_line(input["log"], f"end {ctx.run_id}")
+    return "should have been stopped"
+
+
+@runstile.task("t.async")
+async def async_task(ctx, input):
+    await asyncio.sleep(0.01)
+    ctx.emit("message.delta", {"text": "from async"})
+    return {"async": True}
+
+
+@runstile.task("t.not_json")
+def not_json(ctx, input):
+    return {1, 2}
