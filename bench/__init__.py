@@ -1,0 +1,1 @@
+"""Benchmarks for runstile (``make bench``); see bench/README.md."""
