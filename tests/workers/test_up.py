@@ -1,0 +1,88 @@
+"""`runstile up` as a newcomer meets it: one command, a key, a demo run, a clean Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from tests.conftest import ROOT, free_port, wait_until
+
+
+def group_members(pgid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def start_up(tmp_path, port):
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen([sys.executable, "-m", "runstile", "up", "--data-dir",
+                             str(tmp_path / "data"), "--port", str(port), "--workers", "2",
+                             "--threads", "2", "--web-workers", "1"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=ROOT)
+    key = wait_until(lambda: re.search(r"rsk_[0-9a-f]{16}_[A-Za-z0-9_-]{43}", log.read_text()),
+                     30, 0.05, "the bootstrap key")[0]
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _ready(url), 30, 0.05, "readiness")
+    return proc, key, url, log
+
+
+def _ready(url):
+    try:
+        return requests.get(url + "/readyz", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@pytest.mark.parametrize("how", ["sigint_to_the_group", "sigterm_three_times_to_the_supervisor"])
+def test_up_runs_a_demo_task_and_shuts_down_with_no_orphan(tmp_path, how):
+    proc, key, url, log = start_up(tmp_path, free_port())
+    try:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        run = requests.post(url + "/v1/runs", json={"task": "chat", "input": {"text": "hi"}},
+                            headers=headers, timeout=10).json()
+        done = wait_until(lambda: (lambda r: r if r["status"] == "completed" else None)(
+            requests.get(url + f"/v1/runs/{run['id']}", headers=headers, timeout=10).json()),
+            30, 0.05, "the demo run")
+        assert done["result"] == {"reply": "You said: hi"}
+        members = group_members(proc.pid)
+        assert len(members) >= 4, "supervisor, web master + worker, 2 worker processes"
+        if how == "sigint_to_the_group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            for _ in range(3):
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.05)
+        assert proc.wait(timeout=40) == 0
+        wait_until(lambda: not group_members(proc.pid), 10, 0.05, "every child to exit")
+    finally:
+        if proc.poll() is None or group_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Traceback" not in log.read_text()
+
+
+def test_the_bootstrap_key_is_printed_only_on_first_start(tmp_path):
+    port = free_port()
+    proc, key, url, log = start_up(tmp_path, port)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=40)
+    second = subprocess.Popen([sys.executable, "-m", "runstile", "up", "--data-dir",
+                               str(tmp_path / "data"), "--port", str(port), "--workers", "1",
+                               "--web-workers", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        wait_until(lambda: _ready(url), 30, 0.05, "second start")
+        caps = requests.get(url + "/v1/capabilities",
+                            headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+        assert caps["node"]["generation"] == 2
+    finally:
+        os.killpg(second.pid, signal.SIGTERM)
+        out = second.communicate(timeout=40)[0].decode()
+    assert "rsk_" not in out
