@@ -71,6 +71,11 @@ MAX_HEARTBEAT_INTERVAL_S = 5.0
 DEFAULT_POLL_INTERVAL_S = 0.01
 
 
+#: Connection pools inherited through fork(): kept referenced so that the child never
+#: closes (or otherwise touches) its parent's SQLite connections.
+_INHERITED_POOLS: list[db.ConnectionPool] = []
+
+
 def default_middleware() -> list[Middleware]:
     """The explicit list used when a caller gives none: never Dramatiq's defaults, whose
     Retries, TimeLimit and AgeLimit fight the ledger (DESIGN §4).  AsyncIO runs
@@ -155,7 +160,14 @@ class SQLiteBroker(Broker):
 
     def _reset_after_fork(self) -> None:
         self._watcher_lock = threading.Lock()
-        self._watcher = None
+        inherited, self._watcher = self._watcher, None
+        if inherited is not None:
+            inherited.forget_after_fork()
+        # SQLite forbids touching a connection opened before fork(), closing included:
+        # park the inherited pool (never used, never closed) and start a fresh one.
+        _INHERITED_POOLS.append(self.pool)
+        self.pool = db.ConnectionPool(self.path, synchronous=self.synchronous,
+                                      busy_timeout_ms=self.busy_timeout_ms)
 
     def watcher(self) -> "_Watcher":
         """This process's heartbeat-and-wake-up thread for this broker (created lazily)."""
@@ -233,8 +245,7 @@ class SQLiteBroker(Broker):
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of a queue, its delay queue and its dead letters."""
-        with db.ledger_errors():
-            broker_queue.flush(self.pool.get(), [q_name(queue_name), dq_name(queue_name)])
+        broker_queue.flush(self.pool.get(), [q_name(queue_name), dq_name(queue_name)])
 
     def flush_all(self) -> None:
         """Drop all messages from all declared queues."""
@@ -385,18 +396,20 @@ class _SQLiteConsumer(Consumer):
         if self._closed:
             return
         self._closed = True
-        self._watcher.remove(self)
         self._cache.clear()
         with self._held_lock:
             self._held.clear()
-        try:
-            broker_queue.close_consumer(self.broker.pool.get(), self.consumer_id)
-        except RunstileError:
-            # Its heartbeat has stopped, so any process's reaper releases the rows later.
-            self.broker.pool.discard()
-            self.logger.warning("Could not release consumer %s's messages now; they go back "
-                                "after %.0f s.", self.consumer_id, self.info.timeout_s,
-                                exc_info=True)
+        # Under beat_lock, so that a heartbeat already under way cannot re-register us.
+        with self._watcher.beat_lock:
+            self._watcher.remove(self)
+            try:
+                broker_queue.close_consumer(self.broker.pool.get(), self.consumer_id)
+            except RunstileError:
+                # Its heartbeat has stopped, so any process's reaper releases the rows later.
+                self.broker.pool.discard()
+                self.logger.warning("Could not release consumer %s's messages now; they go "
+                                    "back after %.0f s.", self.consumer_id,
+                                    self.info.timeout_s, exc_info=True)
         self._watcher.poke()
 
     def abandon(self) -> None:
@@ -486,15 +499,17 @@ class _Watcher:
     every process, and wakes waiting consumers when another connection commits.
 
     Wake-up: block on inotify (:class:`_WalNotifier`) until a writer touches the WAL,
-    then poll ``PRAGMA data_version`` every ``settle_interval_s`` until the commit is
-    visible (or ``settle_window_s`` passes, e.g. the writer rolled back).  Without
+    then poll ``PRAGMA data_version`` at doubling intervals from ``settle_interval_s``
+    until the commit is visible (or ``settle_window_s`` passes: the writer rolled back).  Without
     inotify, poll ``data_version`` every ``poll_interval_s``.  Either way nothing spins
     while the ledger is idle.  It runs only while the process has open consumers; a web
     process that only enqueues never starts it.
     """
 
-    #: Seconds between data_version polls while a commit is on its way.
-    settle_interval_s = 0.002
+    #: First pause between data_version polls while a commit is on its way; it doubles
+    #: at each poll (a commit is usually visible after one fsync), so one WAL write costs
+    #: about eight polls even when its commit never shows (a rollback, our own write).
+    settle_interval_s = 0.001
     #: Seconds after a WAL write before giving up on seeing its commit.
     settle_window_s = 0.2
     #: Longest block on inotify: a safety net for anything it could miss.
@@ -505,6 +520,8 @@ class _Watcher:
         self.pid = os.getpid()
         self.logger = get_logger(__name__, type(self))
         self.cond = threading.Condition()
+        #: Held by a heartbeat and by a consumer's close (see _SQLiteConsumer.close).
+        self.beat_lock = threading.Lock()
         #: Grows at every wake-up reason; consumers wait for it to change.
         self.generation = 0
         self.consumers: dict[str, _SQLiteConsumer] = {}
@@ -518,9 +535,10 @@ class _Watcher:
 
     def add(self, consumer: _SQLiteConsumer) -> None:
         with self.cond:
+            if self._wake_r < 0:
+                raise ConnectionClosed("this broker was closed")
             self.consumers[consumer.consumer_id] = consumer
             if self.thread is None:
-                self._stopping = False
                 self.thread = threading.Thread(target=self._run, daemon=True,
                                                name="runstile-sqlite-broker")
                 self.thread.start()
@@ -541,19 +559,41 @@ class _Watcher:
             self.cond.wait_for(lambda: self.generation != seen, timeout_s)
 
     def stop(self) -> None:
+        """Stop the thread for good (the broker makes a new watcher if it consumes again)."""
         with self.cond:
             self._stopping = True
             thread = self.thread
             self._interrupt()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
+        with self.cond:
+            if thread is None or not thread.is_alive():
+                self._close_pipe()
         self.poke()
 
+    def _close_pipe(self) -> None:
+        # Under self.cond; a closed descriptor number may be reused by another file.
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
     def _interrupt(self) -> None:
+        # Under self.cond.
+        if self._wake_w < 0:
+            return
         try:
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is already pending) or closed
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is already pending
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the thread did not survive; close the inherited pipe."""
+        self.cond = threading.Condition()
+        self.beat_lock = threading.Lock()
+        self.thread = None
+        with self.cond:
+            self._close_pipe()
 
     def _should_exit(self) -> bool:
         with self.cond:
@@ -564,16 +604,22 @@ class _Watcher:
 
     def _run(self) -> None:
         broker, monotonic = self.broker, time.monotonic
+        # Two connections: data_version never moves for a connection's own commits, so
+        # heartbeats go through a second one and show up like anyone else's commit
+        # (otherwise each heartbeat would look like a commit that never arrives).
         conn: Optional[sqlite3.Connection] = None
+        beat_conn: Optional[sqlite3.Connection] = None
         notifier: Optional[_WalNotifier] = None
         last_version = awaiting = None
-        next_beat = settle_until = 0.0
+        next_beat = settle_until = settle_pause = 0.0
         try:
             while not self._should_exit():
                 try:
                     if conn is None:
-                        conn = db.connect(broker.path, synchronous=broker.synchronous,
-                                          busy_timeout_ms=broker.busy_timeout_ms)
+                        conn, beat_conn = (
+                            db.connect(broker.path, synchronous=broker.synchronous,
+                                       busy_timeout_ms=broker.busy_timeout_ms)
+                            for _ in range(2))
                         last_version = broker_queue.data_version(conn)  # creates -wal
                         if broker.wal_notify:
                             notifier = _WalNotifier.open(str(broker.path) + "-wal")
@@ -581,14 +627,18 @@ class _Watcher:
                     now = monotonic()
                     if now >= next_beat:
                         next_beat = now + broker.heartbeat_interval_s
-                        with self.cond:
-                            live = [c.info for c in self.consumers.values()]
-                        if broker_queue.heartbeat(conn, live):
+                        with self.beat_lock:
+                            with self.cond:
+                                live = [c.info for c in self.consumers.values()]
+                            released = broker_queue.heartbeat(beat_conn, live)
+                        if released:
                             self.poke()  # rows came back: local consumers may take them
                     if notifier is None:
                         waits, timeout = [self._wake_r], broker.poll_interval_s
                     elif now < settle_until:
-                        waits, timeout = [self._wake_r], self.settle_interval_s
+                        # A new WAL write ends the pause at once and restarts the backoff.
+                        waits, timeout = [self._wake_r, notifier.fd], settle_pause
+                        settle_pause *= 2
                     else:
                         waits = [self._wake_r, notifier.fd]
                         timeout = min(self.safety_poll_s, max(0.0, next_beat - now))
@@ -605,17 +655,15 @@ class _Watcher:
                         # moves past this one.  SQLite has one writer at a time, so every
                         # earlier commit is already counted in it.
                         awaiting, settle_until = version, monotonic() + self.settle_window_s
+                        settle_pause = self.settle_interval_s
                     elif awaiting is not None and (version != awaiting
                                                    or monotonic() >= settle_until):
                         awaiting, settle_until = None, 0.0
                 except (RunstileError, sqlite3.Error, OSError):
                     self.logger.warning("Embedded broker heartbeat failed; retrying.",
                                         exc_info=True)
-                    if notifier is not None:
-                        notifier.close()
-                    if conn is not None:
-                        conn.close()
-                    conn = notifier = None
+                    _close(notifier, conn, beat_conn)
+                    conn = beat_conn = notifier = None
                     pause = min(1.0, broker.heartbeat_interval_s)
                     next_beat = monotonic() + pause
                     select.select([self._wake_r], [], [], pause)
@@ -623,10 +671,16 @@ class _Watcher:
             with self.cond:
                 if self.thread is threading.current_thread():
                     self.thread = None
-            if notifier is not None:
-                notifier.close()
-            if conn is not None:
-                conn.close()
+            _close(notifier, conn, beat_conn)
+
+
+def _close(*closables) -> None:
+    for closable in closables:
+        if closable is not None:
+            try:
+                closable.close()
+            except (OSError, sqlite3.Error):
+                pass
 
 
 def _drain_pipe(fd: int) -> None:

@@ -1,0 +1,477 @@
+"""The embedded broker keeps Dramatiq's broker contract on a real ledger file.
+
+Real SQLite files, real ``dramatiq.Worker``s, real processes (one SIGKILLed, one
+Dramatiq CLI).  Waits poll a condition; no sleep decides an outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import dramatiq
+import pytest
+from dramatiq import Message
+from dramatiq.errors import QueueJoinTimeout, QueueNotFound
+from dramatiq.middleware import AsyncIO, Middleware
+
+from runstile.ledger import broker_queue, db
+from runstile.workers.sqlite_broker import SQLiteBroker, enqueue_in
+from tests.conftest import ROOT, wait_until
+
+HERE = Path(__file__).resolve().parent
+
+
+def message(actor: str = "noop", *args, queue: str = "default") -> Message:
+    return Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={})
+
+
+def drain(consumer, count: int, timeout_s: float = 10.0) -> list:
+    """Collect ``count`` messages from ``consumer`` (None answers are skipped)."""
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"got {len(got)} of {count} messages"
+        proxy = next(consumer)
+        if proxy is not None:
+            got.append(proxy)
+    return got
+
+
+def rows(ledger, where: str = "1", args: tuple = ()) -> list[tuple]:
+    return ledger.query(f"SELECT id, queue_name, message_id, state, claimed_by, eta "
+                        f"FROM broker_messages WHERE {where} ORDER BY id", args)
+
+
+@pytest.fixture
+def make_broker(ledger):
+    brokers: list[SQLiteBroker] = []
+
+    def make(**options) -> SQLiteBroker:
+        options.setdefault("consumer_timeout_s", 1.0)
+        options.setdefault("heartbeat_interval_s", 0.1)
+        broker = SQLiteBroker(ledger.path, **options)
+        broker.declare_queue("default")
+        brokers.append(broker)
+        return broker
+
+    yield make
+    for broker in brokers:
+        broker.close()
+
+
+@pytest.fixture
+def broker(make_broker) -> SQLiteBroker:
+    return make_broker()
+
+
+@pytest.fixture
+def start_worker():
+    workers: list[dramatiq.Worker] = []
+
+    def start(broker: SQLiteBroker, threads: int = 4) -> dramatiq.Worker:
+        worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=threads)
+        worker.start()
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop(timeout=10_000)
+
+
+# -- declaring --------------------------------------------------------------------------
+
+class Recorder(Middleware):
+    def __init__(self) -> None:
+        self.signals: list[tuple[str, str]] = []
+
+    def after_declare_queue(self, broker, queue_name):
+        self.signals.append(("queue", queue_name))
+
+    def after_declare_delay_queue(self, broker, queue_name):
+        self.signals.append(("delay_queue", queue_name))
+
+
+def test_declaring_a_queue_emits_the_queue_and_the_delay_queue_signal_once(ledger):
+    recorder = Recorder()
+    broker = SQLiteBroker(ledger.path, middleware=[recorder])
+    broker.declare_queue("reports")
+    broker.declare_queue("reports")
+    assert recorder.signals == [("queue", "reports"), ("delay_queue", "reports.DQ")]
+    assert broker.get_declared_queues() == {"reports"}
+    assert broker.get_declared_delay_queues() == {"reports.DQ"}
+    with pytest.raises(QueueNotFound):
+        broker.consume("never_declared")
+
+
+def test_the_broker_runs_only_the_middleware_it_is_given(ledger):
+    assert [type(m) for m in SQLiteBroker(ledger.path).middleware] == [AsyncIO]
+    assert SQLiteBroker(ledger.path, middleware=[]).middleware == []
+
+
+# -- enqueue, consume, ack, nack --------------------------------------------------------
+
+def test_an_enqueued_message_is_delivered_once_and_its_ack_deletes_the_row(broker, ledger):
+    sent = broker.enqueue(message("noop", 1, "two"))
+    consumer = broker.consume("default", prefetch=2, timeout=50)
+    proxy = next(consumer)
+    assert proxy.message_id == sent.message_id and proxy.args == (1, "two")
+    assert rows(ledger) == [(proxy.delivery_id, "default", sent.message_id, "claimed",
+                             consumer.consumer_id, None)]
+    assert next(consumer) is None
+    consumer.ack(proxy)
+    assert rows(ledger) == []
+    consumer.close()
+
+
+def test_next_returns_none_once_its_timeout_passes_on_an_empty_queue(broker):
+    consumer = broker.consume("default", timeout=200)
+    started = time.monotonic()
+    assert next(consumer) is None
+    assert 0.19 <= time.monotonic() - started < 1.5
+    consumer.close()
+
+
+def test_a_nacked_message_is_dead_lettered_and_never_delivered_again(broker, ledger):
+    sent = broker.enqueue(message())
+    consumer = broker.consume("default", timeout=50)
+    consumer.nack(next(consumer))
+    assert [m.message_id for m in broker.dead_letters("default")] == [sent.message_id]
+    assert rows(ledger, "state = 'dead'")[0][2] == sent.message_id
+    assert next(consumer) is None and broker.pending("default") == 0
+    consumer.close()
+
+
+def test_a_real_worker_dead_letters_a_message_for_an_unknown_actor(broker, start_worker):
+    sent = broker.enqueue(message("nobody_declared_this"))
+    start_worker(broker)
+    wait_until(lambda: broker.dead_letters("default"), 10, what="a dead letter")
+    assert broker.dead_letters("default")[0].message_id == sent.message_id
+    broker.join("default", timeout=5000)
+
+
+def test_duplicate_rows_of_one_message_id_are_both_delivered(broker, ledger):
+    sent = message()
+    conn = ledger.connect()
+    with db.transaction(conn):
+        enqueue_in(conn, sent)
+        enqueue_in(conn, sent)
+    conn.close()
+    consumer = broker.consume("default", prefetch=5, timeout=50)
+    first, second = drain(consumer, 2)
+    assert first.message_id == second.message_id == sent.message_id
+    assert first.delivery_id != second.delivery_id
+    consumer.ack(first)
+    consumer.ack(second)
+    assert broker.pending("default") == 0
+    consumer.close()
+
+
+def test_a_message_inserted_in_a_rolled_back_transaction_is_never_delivered(broker, ledger):
+    conn = ledger.connect()
+    with pytest.raises(RuntimeError):
+        with db.transaction(conn):  # BEGIN IMMEDIATE, as admission does
+            enqueue_in(conn, message("noop", "rolled back"))
+            raise RuntimeError("admission failed after the insert")
+    with db.transaction(conn):
+        kept, delivery_id = enqueue_in(conn, message("noop", "committed"))
+        # Not visible to anyone else before the commit.
+        assert broker_queue.pending_count(ledger.connect(), ["default"]) == 0
+    conn.close()
+    consumer = broker.consume("default", prefetch=5, timeout=100)
+    (proxy,) = drain(consumer, 1)
+    assert (proxy.message_id, proxy.delivery_id, proxy.args) == (
+        kept.message_id, delivery_id, ("committed",))
+    assert next(consumer) is None
+    consumer.close()
+
+
+def test_enqueue_in_follows_dramatiqs_delay_queue_convention(broker, ledger):
+    conn = ledger.connect()
+    with db.transaction(conn):
+        stored = broker.enqueue_in(conn, message(), delay=60_000)
+    conn.close()
+    assert stored.queue_name == "default.DQ"
+    ((_, queue, _, state, _, eta),) = rows(ledger)
+    assert (queue, state) == ("default.DQ", "ready")
+    assert eta == pytest.approx(stored.options["eta"] / 1000)
+
+
+# -- requeue, close, flush, join --------------------------------------------------------
+
+def test_requeue_puts_prefetched_messages_back_in_their_place(broker):
+    sent = [broker.enqueue(message("noop", i)).message_id for i in range(3)]
+    first = broker.consume("default", prefetch=3, timeout=50)
+    held = drain(first, 3)
+    first.requeue(held[:2])
+    second = broker.consume("default", prefetch=3, timeout=50)
+    assert [p.message_id for p in drain(second, 2)] == sent[:2]
+    first.ack(held[2])
+    first.close()
+    second.close()
+
+
+def test_closing_a_consumer_releases_its_claimed_messages(broker, ledger):
+    broker.enqueue(message())
+    consumer = broker.consume("default", timeout=50)
+    drain(consumer, 1)
+    consumer.close()
+    assert [r[3:5] for r in rows(ledger)] == [("ready", None)]
+    assert ledger.query("SELECT COUNT(*) FROM broker_consumers") == [(0,)]
+
+
+def test_flush_drops_ready_delayed_and_dead_messages_of_one_queue_only(make_broker):
+    broker = make_broker()
+    broker.declare_queue("other")
+    broker.enqueue(message())
+    broker.enqueue(message(), delay=60_000)
+    broker.enqueue(message("noop", queue="other"))
+    consumer = broker.consume("default", timeout=50)
+    consumer.nack(next(consumer))
+    consumer.close()
+    broker.flush("default")
+    assert broker.pending("default") == 0 and broker.dead_letters("default") == []
+    assert broker.pending("other") == 1
+    broker.flush_all()
+    assert broker.pending("other") == 0
+
+
+def test_join_waits_for_the_queue_to_drain_and_times_out_while_it_cannot(broker, start_worker):
+    broker.enqueue(message("slow"))
+    with pytest.raises(QueueJoinTimeout):
+        broker.join("default", timeout=100)  # no actor, no worker: nothing drains
+    done = threading.Event()
+    dramatiq.actor(lambda: done.set(), broker=broker, actor_name="slow", queue_name="default")
+    start_worker(broker)
+    broker.join("default", timeout=10_000)
+    assert done.is_set() and broker.pending("default") == 0
+
+
+# -- consumer liveness ------------------------------------------------------------------
+
+def test_a_consumer_whose_heartbeat_stops_loses_its_messages_to_another_consumer(
+        make_broker, ledger):
+    frozen_broker, live_broker = make_broker(), make_broker()
+    sent = [frozen_broker.enqueue(message("noop", i)).message_id for i in range(3)]
+    frozen = frozen_broker.consume("default", prefetch=3, timeout=50)
+    held = drain(frozen, 3)
+    frozen.abandon()  # its process "freezes": no heartbeat, no release
+    live = live_broker.consume("default", prefetch=3, timeout=100)
+    started = time.monotonic()
+    taken = drain(live, 3, timeout_s=10)
+    assert [p.message_id for p in taken] == sent
+    assert time.monotonic() - started >= 0.5  # not before the frozen one timed out
+    # The frozen consumer's late ack must not touch rows another consumer now holds.
+    frozen.ack(held[0])
+    assert [r[4] for r in rows(ledger)] == [live.consumer_id] * 3
+    for proxy in taken:
+        live.ack(proxy)
+    assert broker_queue.pending_count(ledger.connect(), ["default"]) == 0
+    live.close()
+
+
+def test_a_live_consumer_keeps_its_messages_however_long_it_holds_them(broker, ledger):
+    broker.enqueue(message(), delay=60_000)
+    holder = broker.consume("default.DQ", prefetch=10, timeout=50)
+    (proxy,) = drain(holder, 1)
+    claimed_at = ledger.query("SELECT claimed_at FROM broker_messages")[0][0]
+    # Wait until the holder has heartbeated well past two consumer timeouts.
+    wait_until(lambda: ledger.query(
+        "SELECT last_seen_at FROM broker_consumers WHERE id = ?",
+        (holder.consumer_id,))[0][0] > claimed_at + 2 * broker.consumer_timeout_s,
+        10, 0.05, "heartbeats past the consumer timeout")
+    assert [r[3:5] for r in rows(ledger)] == [("claimed", holder.consumer_id)]
+    holder.ack(proxy)
+    holder.close()
+
+
+def test_a_killed_consumer_process_gives_its_messages_back_to_another_consumer(
+        broker, ledger, tmp_path):
+    started_file = tmp_path / "started.txt"
+    sent = {broker.enqueue(message("block", i)).message_id for i in range(3)}
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "sqlite_broker_child.py"), str(ledger.path),
+         str(started_file)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # Mid-consumption: two bodies are running and the third message is prefetched.
+        wait_until(lambda: started_file.exists()
+                   and len(started_file.read_text().split()) == 2, 20, 0.05,
+                   "the child's worker to start two bodies")
+        wait_until(lambda: len(rows(ledger, "state = 'claimed'")) == 3, 10, 0.05,
+                   "the child to hold all three messages")
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    consumer = broker.consume("default", prefetch=5, timeout=100)
+    back = drain(consumer, 3, timeout_s=10)
+    assert {p.message_id for p in back} == sent
+    for proxy in back:
+        consumer.ack(proxy)
+    consumer.close()
+    assert ledger.query("SELECT COUNT(*) FROM broker_consumers") == [(0,)]
+
+
+# -- real workers -----------------------------------------------------------------------
+
+def test_a_delayed_message_runs_after_its_eta_and_not_before(broker, start_worker, ledger):
+    ran_at: list[float] = []
+    dramatiq.actor(lambda: ran_at.append(time.time()), broker=broker, actor_name="later",
+                   queue_name="default")
+    start_worker(broker)
+    sent = broker.enqueue(message("later"), delay=700)
+    assert sent.queue_name == "default.DQ"
+    wait_until(lambda: ran_at, 10, what="the delayed actor")
+    assert ran_at[0] * 1000 >= sent.options["eta"]
+    broker.join("default", timeout=5000)
+    assert rows(ledger) == []
+
+
+def test_a_worker_with_several_threads_runs_each_message_exactly_once(
+        broker, start_worker, ledger):
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def record(n: int) -> None:
+        with lock:
+            seen.append(n)
+
+    dramatiq.actor(record, broker=broker, actor_name="record", queue_name="default")
+    conn = ledger.connect()
+    with db.transaction(conn):
+        for n in range(200):
+            broker.enqueue_in(conn, message("record", n))
+    conn.close()
+    for n in range(200, 220):
+        broker.enqueue(message("record", n), delay=50 + n % 7 * 30)
+    start_worker(broker, threads=4)
+    wait_until(lambda: len(seen) >= 220, 30, 0.05, "220 actor runs")
+    broker.join("default", timeout=10_000)
+    assert sorted(seen) == list(range(220))
+    assert rows(ledger) == []
+
+
+def test_an_async_actor_runs_under_the_default_middleware(broker, start_worker):
+    done = threading.Event()
+
+    async def wake() -> None:
+        done.set()
+
+    dramatiq.actor(wake, broker=broker, actor_name="wake", queue_name="default")
+    start_worker(broker, threads=1)
+    broker.enqueue(message("wake"))
+    wait_until(done.is_set, 10, what="the async actor")
+
+
+def test_a_forked_child_uses_its_own_connection_and_heartbeat_thread(broker, ledger):
+    parent = broker.consume("default", timeout=20)
+    assert next(parent) is None  # the parent now has a connection and a watcher thread
+    sent = broker.enqueue(message())
+    parent.close()
+    pid = os.fork()
+    if pid == 0:  # child: must not reuse anything the parent opened
+        code = 1
+        try:
+            child = broker.consume("default", timeout=100)
+            proxy = drain(child, 1, timeout_s=5)[0]
+            child.ack(proxy)
+            child.close()
+            code = 0 if proxy.message_id == sent.message_id else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert broker.pending("default") == 0
+    assert next(broker.consume("default", timeout=20)) is None  # the parent still works
+
+
+def test_dramatiqs_own_cli_runs_an_actor_from_this_broker(ledger, tmp_path):
+    out = tmp_path / "out.txt"
+    sender = SQLiteBroker(ledger.path)
+    sender.enqueue(Message(queue_name="default", actor_name="append_line",
+                           args=(str(out), "hello from the ledger"), kwargs={}, options={}))
+    env = {**os.environ, "RUNSTILE_TEST_LEDGER": str(ledger.path)}
+    cli = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dramatiq"), "--processes", "1", "--threads", "2",
+         "tests.workers.sqlite_broker_cli_app"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: out.exists() and out.read_text() == "hello from the ledger\n",
+                   30, 0.05, "the CLI worker to run the actor")
+        wait_until(lambda: sender.pending("default") == 0, 10, 0.05, "the ack")
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=20) == 0, cli.stdout.read().decode(errors="replace")
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    # A clean shutdown closes its consumers: nothing stays claimed or registered.
+    assert ledger.query("SELECT COUNT(*) FROM broker_consumers") == [(0,)]
+
+
+# -- idle wake-up -----------------------------------------------------------------------
+
+_PRODUCER = r"""
+import random, sys, time
+from dramatiq import Message
+from runstile.ledger import db
+from runstile.workers.sqlite_broker import enqueue_in
+conn = db.connect(sys.argv[1])
+for _ in range(int(sys.argv[2])):
+    time.sleep(random.uniform(0.03, 0.08))  # pacing only: each insert meets an idle consumer
+    m = Message(queue_name="default", actor_name="noop", args=(), kwargs={}, options={})
+    with db.transaction(conn):
+        enqueue_in(conn, m)
+    print(m.message_id, time.time(), flush=True)
+"""
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("wal_notify", [True, False], ids=["inotify", "polling"])
+def test_an_idle_consumer_gets_another_processs_message_within_milliseconds_without_spinning(
+        make_broker, ledger, wal_notify):
+    # Production timings (heartbeat every 5 s), not the fast ones other tests use.
+    broker = make_broker(wal_notify=wal_notify, consumer_timeout_s=15.0,
+                         heartbeat_interval_s=None)
+    consumer = broker.consume("default", prefetch=1, timeout=1000)  # starts the watcher
+    wait_until(lambda: broker.watcher().mode, 5, 0.01, "the watcher thread")
+    cpu_before, idle_started = _cpu_s(), time.monotonic()
+    assert next(consumer) is None and next(consumer) is None  # two idle seconds
+    idle_cpu = (_cpu_s() - cpu_before) / (time.monotonic() - idle_started)
+
+    count = 25
+    producer = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(ledger.path), str(count)],
+                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    received: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while len(received) < count and time.monotonic() < deadline:
+        proxy = next(consumer)
+        if proxy is not None:
+            received[proxy.message_id] = time.time()
+            consumer.ack(proxy)
+    committed = dict(line.split() for line in producer.communicate(timeout=30)[0].splitlines())
+    latencies_ms = sorted((received[m] - float(t)) * 1000 for m, t in committed.items())
+    p50 = statistics.median(latencies_ms)
+    p95 = latencies_ms[int(0.95 * len(latencies_ms)) - 1]
+    mode = broker.watcher().mode
+    print(f"\n[{mode}] idle admission-to-consume latency: p50 {p50:.1f} ms, p95 {p95:.1f} ms, "
+          f"max {latencies_ms[-1]:.1f} ms; idle CPU {idle_cpu * 100:.2f}% of one core")
+    assert mode == ("inotify" if wal_notify and sys.platform.startswith("linux") else "poll")
+    assert len(received) == count
+    assert p50 < 20, latencies_ms
+    assert idle_cpu < 0.05
+    consumer.close()
