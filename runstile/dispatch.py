@@ -26,10 +26,9 @@ def message_for(run_id: str, dispatch_id: int | None = None) -> dramatiq.Message
                             kwargs={"dispatch_id": dispatch_id}, options={})
 
 
-def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> bool:
+def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
     message = message_for(run["id"], dispatch_id)
     broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode())
-    return True  # delivered to the broker in the same transaction: sent_at is set now
 
 
 def in_transaction_enqueue(settings: Settings) -> Enqueue | None:

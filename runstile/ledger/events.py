@@ -24,6 +24,13 @@ def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = Non
     return row[0]
 
 
+def append_first(conn: sqlite3.Connection, run_id: str, type_: str, data: object) -> int:
+    """The first event of a run that was created in this very transaction: seq 1."""
+    conn.execute(f"INSERT INTO events (run_id, seq, type, data, created_at) VALUES (?, 1, ?, ?, {NOW})",
+                 (run_id, type_, json.dumps(data, separators=(",", ":"))))
+    return 1
+
+
 def after(conn: sqlite3.Connection, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[dict]:
     """Events of a run with seq > after_seq, in order.  A single short read: no
     transaction is held open between polls (it would block WAL checkpoints)."""

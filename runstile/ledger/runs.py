@@ -45,27 +45,35 @@ class Admitted:
 
 
 #: Called inside the admission transaction after the run row exists, so that an embedded
-#: broker can insert its message in the same transaction (no dual write).  Returns True
-#: when the dispatch is already delivered to the broker (sent_at is then set).
-Enqueue = Callable[[sqlite3.Connection, dict, int], bool]
+#: broker can insert its message in the same transaction (no dual write).  It either
+#: writes the message or raises (rolling the whole transaction back).
+Enqueue = Callable[[sqlite3.Connection, dict, int], None]
 
 
 def new_run_id() -> str:
     return "run_" + secrets.token_hex(16)
 
 
-def admit(conn: sqlite3.Connection, req: AdmissionRequest, *, refusal: RunstileError | None,
-          max_active_runs: int, enqueue: Enqueue | None = None) -> Admitted:
+def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
+          refusal: RunstileError | None, max_active_runs: int, enqueue: Enqueue | None = None,
+          committer=None) -> Admitted:
     """Reserve and create (or replay) a run in one BEGIN IMMEDIATE transaction.
 
     ``refusal`` is the error to raise *only* if a new run would be created (unknown
     task, bad callback URL): checked by the caller before the transaction, raised here
-    so that replays always answer (SPEC §3.1).
+    so that replays always answer (SPEC §3.1).  With a ``committer`` (group_commit) the
+    reservation shares its transaction with other admissions of this process, in a
+    savepoint of its own; without one it runs in its own transaction on ``conn``.
     """
+    def reserve(c: sqlite3.Connection) -> Admitted:
+        return _reserve(c, req, refusal, max_active_runs, enqueue)
+
     for _ in range(_RACE_RETRIES):
         try:
+            if committer is not None:
+                return committer.run(reserve)
             with db.transaction(conn):
-                return _reserve(conn, req, refusal, max_active_runs, enqueue)
+                return reserve(conn)
         except sqlite3.IntegrityError:
             # Another writer created the same key or run id between our read and our
             # insert.  It has committed, so re-reading answers as a replay or a 409.
@@ -74,21 +82,25 @@ def admit(conn: sqlite3.Connection, req: AdmissionRequest, *, refusal: RunstileE
 
 
 def _reserve(conn, req: AdmissionRequest, refusal, max_active_runs, enqueue) -> Admitted:
+    """The reservation of SPEC §3.1.  Every refusal is raised before the first write, so a
+    refused admission leaves the transaction it shares (group commit) untouched."""
     scope = (req.principal.profile_id, req.principal.key_id)
     if req.key is not None:
+        # One read answers both "is the key bound?" and "is it a tombstone?".
         record = conn.execute(
-            "SELECT run_id, fingerprint, fingerprint_version FROM idempotency_keys "
+            "SELECT run_id, fingerprint, fingerprint_version, 0 AS tombstone "
+            "FROM idempotency_keys WHERE profile_id = ? AND key_id = ? AND idempotency_key = ? "
+            "UNION ALL SELECT NULL, NULL, NULL, 1 FROM key_tombstones "
             "WHERE profile_id = ? AND key_id = ? AND idempotency_key = ?",
-            (*scope, req.key)).fetchone()
-        if record is not None:
+            (*scope, req.key, *scope, req.key)).fetchone()
+        if record is not None and not record["tombstone"]:
             if (record["fingerprint"], record["fingerprint_version"]) == (
                     req.fingerprint, req.fingerprint_version):
                 return Admitted(_get(conn, record["run_id"]), replayed=True)
             raise (RunIdConflict("this run id is already taken") if req.key_is_derived
                    else IdempotencyKeyConflict(
                        "this Idempotency-Key was used with a different request"))
-        if conn.execute("SELECT 1 FROM key_tombstones WHERE profile_id = ? AND key_id = ? "
-                        "AND idempotency_key = ?", (*scope, req.key)).fetchone():
+        if record is not None:
             raise IdempotencyKeyExpired(
                 "this Idempotency-Key belonged to a run that retention has purged")
     if req.run_id is not None:
@@ -110,25 +122,26 @@ def _reserve(conn, req: AdmissionRequest, refusal, max_active_runs, enqueue) -> 
             raise RunIdConflict("this run id is already taken")
     if refusal is not None:
         raise refusal
-    active = conn.execute("SELECT active_runs FROM profiles WHERE id = ?",
-                          (scope[0],)).fetchone()
-    if active is not None and active[0] >= max_active_runs:
-        raise CapacityExceeded(
-            f"this profile already has {active[0]} unfinished runs (limit {max_active_runs})")
     run_id = req.run_id or new_run_id()
-    run = conn.execute(
+    # The capacity check rides on the INSERT: no row comes back when the profile is full.
+    row = conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
         "metadata, callback_url, fingerprint, fingerprint_version, status, attempt, "
-        f"created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1, {NOW}, "
-        f"{NOW}) RETURNING *",
+        f"created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1, {NOW}, "
+        f"{NOW} WHERE COALESCE((SELECT active_runs FROM profiles WHERE id = ?), 0) < ? "
+        "RETURNING *",
         (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
-         req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version),
+         req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version,
+         scope[0], max_active_runs),
     ).fetchone()
-    run = dict(run)
+    if row is None:
+        raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "
+                               f"(the limit)")
+    run = dict(row)
     if req.key is not None:
         _bind_key(conn, req, run_id)
     add_dispatch(conn, run, "admitted", enqueue)
-    events.append(conn, run_id, "run.queued", {"attempt": 1})
+    events.append_first(conn, run_id, "run.queued", {"attempt": 1})
     return Admitted(run, replayed=False)
 
 
@@ -142,13 +155,18 @@ def _bind_key(conn, req: AdmissionRequest, run_id: str) -> None:
 
 
 def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
-    """Record that ``run`` must reach a worker; inside the caller's transaction."""
+    """Record that ``run`` must reach a worker; inside the caller's transaction.
+
+    With an in-transaction ``enqueue`` (the embedded broker) the message is written in
+    this same transaction, so the record is born sent; otherwise sent_at stays NULL
+    until a publisher marks it after commit.
+    """
     dispatch_id = conn.execute(
-        f"INSERT INTO dispatches (run_id, attempt, reason, created_at) VALUES (?, ?, ?, {NOW}) "
-        "RETURNING id", (run["id"], run["attempt"], reason)).fetchone()[0]
-    if enqueue is not None and enqueue(conn, run, dispatch_id):
-        conn.execute(f"UPDATE dispatches SET sent_at = {NOW} WHERE id = ? AND sent_at IS NULL",
-                     (dispatch_id,))
+        "INSERT INTO dispatches (run_id, attempt, reason, created_at, sent_at) "
+        f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END) RETURNING id",
+        (run["id"], run["attempt"], reason, enqueue is not None)).fetchone()[0]
+    if enqueue is not None:
+        enqueue(conn, run, dispatch_id)
     return dispatch_id
 
 

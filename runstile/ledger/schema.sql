@@ -81,7 +81,6 @@ CREATE INDEX runs_by_scope   ON runs (profile_id, key_id, seq);
 CREATE INDEX runs_by_profile ON runs (profile_id, seq);
 CREATE INDEX runs_by_session ON runs (profile_id, key_id, session_key, seq)
     WHERE session_key IS NOT NULL;
-CREATE INDEX runs_by_status  ON runs (status, seq);
 CREATE INDEX runs_finished   ON runs (finished_at) WHERE finished_at IS NOT NULL;
 
 -- A terminal run never changes status again (SPEC §4); this is the ledger's own guard

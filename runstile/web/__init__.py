@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from flask import Flask
 
 from ..config import Settings
-from ..ledger.db import ConnectionPool
+from ..ledger.db import ConnectionPool, connect
+from ..ledger.group_commit import GroupCommitter
 from ..workers import registry
 
 
@@ -20,6 +21,8 @@ class WebState:
     settings: Settings
     pool: ConnectionPool
     task_names: frozenset[str]
+    #: Admissions of this process share write transactions (ledger/group_commit.py).
+    committer: GroupCommitter
 
 
 def create_app(settings: Settings) -> Flask:
@@ -35,6 +38,9 @@ def create_app(settings: Settings) -> Flask:
         pool=ConnectionPool(settings.ledger_path, synchronous=settings.synchronous,
                             busy_timeout_ms=settings.busy_timeout_ms),
         task_names=frozenset(tasks),
+        committer=GroupCommitter(lambda: connect(
+            settings.ledger_path, synchronous=settings.synchronous,
+            busy_timeout_ms=settings.busy_timeout_ms)),
     )
     metrics.install(app)
     errors.install(app)

@@ -49,9 +49,10 @@ def create_run():
         settings = state().settings
         req, refusal = admission.build(request, principal(), settings=settings,
                                        task_names=state().task_names)
-        admitted = runs.admit(conn(), req, refusal=refusal,
+        admitted = runs.admit(None, req, refusal=refusal,
                               max_active_runs=settings.max_active_runs,
-                              enqueue=dispatch.in_transaction_enqueue(settings))
+                              enqueue=dispatch.in_transaction_enqueue(settings),
+                              committer=state().committer)
         _crashpoint("after_admit_commit")
         outcome = "replayed" if admitted.replayed else "created"
     except RunstileError as exc:
@@ -61,12 +62,11 @@ def create_run():
         metrics.observe_admission(outcome, time.perf_counter() - started)
     body = run_object(admitted.run)
     body["replayed"] = admitted.replayed
-    response = jsonify(body)
-    response.status_code = 202
-    response.headers["Location"] = f"/v1/runs/{admitted.run['id']}"
+    headers = {"Location": f"/v1/runs/{admitted.run['id']}"}
     if admitted.replayed:
-        response.headers["Idempotency-Replayed"] = "true"
-    return response
+        headers["Idempotency-Replayed"] = "true"
+    return Response(json.dumps(body, separators=(",", ":")), status=202, headers=headers,
+                    mimetype="application/json")
 
 
 def visible_run(run_id: str) -> dict:

@@ -127,8 +127,8 @@ def test_a_full_disk_answers_503_and_service_resumes_when_space_returns(tiny_dis
             if response.status_code != 202:
                 break
         assert statuses[-1] == 503, statuses
-        assert api.post_run({"task": "echo"}).json()["error"]["code"] \
-            == "run_storage_unavailable"
+        assert response.json()["error"]["code"] == "run_storage_unavailable"
+        assert int(response.headers["Retry-After"]) >= 1
         refused_key = f"full-{len(statuses) - 1}"
         filler.unlink()
         retry = api.post_run({"task": "echo", "input": "x" * 20000}, idempotency_key=refused_key)

@@ -1,0 +1,123 @@
+"""Group commit: many request threads, one write transaction, one fsync.
+
+A durable commit costs an fsync, and SQLite admits one writer at a time, so threads
+that each commit their own admission spend most of their time queueing for the lock.
+Here the request threads of one process hand their unit of work to a committer thread,
+which runs every unit waiting at that moment inside ONE ``BEGIN IMMEDIATE`` transaction,
+then commits once and wakes every waiter.  A unit refuses (a 409, a 429) only before it
+writes, so a refusal needs no savepoint; a failure after writing aborts the batch, which
+is then retried one unit per transaction.
+
+Durability is unchanged: a waiter learns its result only after the COMMIT that holds
+it returned, so no answer is sent for anything that is not on disk; if the COMMIT
+fails, every unit of the batch fails with LedgerUnavailable and none was acknowledged.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sqlite3
+import threading
+from typing import Any, Callable
+
+from ..errors import LedgerUnavailable, RunstileError
+from . import db
+
+#: Most units one transaction carries; bounds the time the write lock is held.
+MAX_BATCH = 64
+
+
+class _Unit:
+    __slots__ = ("work", "result", "error", "done")
+
+    def __init__(self, work: Callable[[sqlite3.Connection], Any]) -> None:
+        self.work = work
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class GroupCommitter:
+    """One per (ledger, process); started lazily, so it is created after any fork."""
+
+    def __init__(self, connect: Callable[[], sqlite3.Connection]) -> None:
+        self._connect = connect
+        self._queue: queue.SimpleQueue[_Unit] = queue.SimpleQueue()
+        self._pid: int | None = None
+        self._start_lock = threading.Lock()
+
+    def run(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run ``work(conn)`` inside a shared write transaction; return once committed."""
+        self._ensure_thread()
+        unit = _Unit(work)
+        self._queue.put(unit)
+        unit.done.wait()
+        if unit.error is not None:
+            raise unit.error
+        return unit.result
+
+    def _ensure_thread(self) -> None:
+        if self._pid == os.getpid():
+            return
+        with self._start_lock:
+            if self._pid != os.getpid():
+                self._queue = queue.SimpleQueue()  # never inherit a parent's waiters
+                threading.Thread(target=self._loop, name="runstile-group-commit",
+                                 daemon=True).start()
+                self._pid = os.getpid()
+
+    def _loop(self) -> None:
+        conn = None
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                if conn is None:
+                    conn = self._connect()
+                self._commit(conn, batch)
+            except BaseException as exc:  # the batch did not commit: nobody was acknowledged
+                failure = exc if isinstance(exc, LedgerUnavailable) else LedgerUnavailable(
+                    f"the ledger could not commit: {exc}")
+                for unit in batch:
+                    unit.result, unit.error = None, unit.error or failure
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except sqlite3.Error:
+                        pass
+                    conn = None  # reopen: the failure may have broken the connection
+            for unit in batch:
+                unit.done.set()
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[_Unit]) -> None:
+        """All units in one transaction.  A unit may *refuse* (a RunstileError raised
+        before it writes anything, as ledger units promise) without disturbing the
+        others; anything else aborts the batch, which is then retried unit by unit."""
+        try:
+            with db.transaction(conn):
+                for unit in batch:
+                    try:
+                        unit.result = unit.work(conn)
+                    except RunstileError as exc:
+                        if isinstance(exc, LedgerUnavailable):
+                            raise
+                        unit.error = exc
+        except LedgerUnavailable:
+            raise
+        except Exception:
+            # Something broke mid-write (a uniqueness race, a bug): nothing committed.
+            # Run each unit alone so that one bad unit cannot fail its neighbours.
+            for unit in batch:
+                unit.result, unit.error = None, None
+                try:
+                    with db.transaction(conn):
+                        unit.result = unit.work(conn)
+                except LedgerUnavailable:
+                    raise
+                except Exception as exc:
+                    unit.error = exc
