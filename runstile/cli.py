@@ -208,10 +208,12 @@ def db_backup(settings, path, force, as_json):
         _fail(f"no ledger at {settings.ledger_path}")
     if path.exists() and not force:
         _fail(f"{path} exists; pass --force to overwrite it")
-    if path.exists():
-        path.unlink()
     conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)
-    pages = maintenance.backup(conn, path)
+    # Write beside the target and rename: an old backup survives a failed new one.
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    pages = maintenance.backup(conn, partial)
+    partial.replace(path)
     if as_json:
         _emit_json({"path": str(path), "pages": pages})
     else:

@@ -21,7 +21,7 @@ from .errors import ConfigError
 #: The synchronous levels SQLite accepts; FULL is the durable default (SPEC §2.1).
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 #: Crash points that code may name (DESIGN §3 "crash tests two ways").
-CRASHPOINTS = ("after_admit_commit", "before_admit_commit")
+CRASHPOINTS = ("after_admit_commit",)
 
 
 def _positive_int(raw: str) -> int:
@@ -75,6 +75,17 @@ def _tasks(raw: str) -> tuple[str, ...]:
 
 def _optional_text(raw: str) -> str | None:
     return raw.strip() or None
+
+
+def _text(raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ValueError("must not be empty")
+    return value
+
+
+def _path(raw: str) -> Path:
+    return Path(_text(raw))
 
 
 def _allowlist(raw: str) -> tuple[str, ...]:
@@ -146,8 +157,8 @@ class Settings:
     stop_grace_s: float = 10.0
     #: Largest task result in bytes of JSON.
     max_result_bytes: int = 1024 * 1024
-    #: Event streams one web process serves at once.
-    max_streams: int = 64
+    #: Event streams one web process serves at once (never more than half its threads).
+    max_streams: int = 8
     #: Seconds one event stream lives before the client must resume.
     stream_max_s: float = 300.0
     #: Seconds between keepalive comments on an idle event stream.
@@ -165,7 +176,7 @@ class Settings:
     #: Web server (gunicorn) processes.
     web_workers: int = 2
     #: Threads per web process (gthread; event streams hold one each).
-    web_threads: int = 8
+    web_threads: int = 16
     #: Dramatiq worker processes.
     workers: int = 2
     #: Threads per Dramatiq worker process.
@@ -208,6 +219,11 @@ class Settings:
             )
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is outside 1-65535")
+        if self.broker_url != "sqlite":
+            # Publishing to Redis/RabbitMQ after commit is not built yet; accepting the
+            # URL would admit runs that never reach a worker.
+            raise ConfigError(f"RUNSTILE_BROKER_URL={self.broker_url!r}: only the embedded "
+                              "broker ('sqlite') is supported so far")
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -222,7 +238,7 @@ def _port(raw: str) -> int:
 
 #: Every environment variable runstile reads: name -> (parser, one-line meaning).
 ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
-    "RUNSTILE_DATA_DIR": (lambda raw: Path(raw), "data directory"),
+    "RUNSTILE_DATA_DIR": (_path, "data directory"),
     "RUNSTILE_TASKS": (_tasks, "task modules, comma-separated"),
     "RUNSTILE_BROKER_URL": (_broker_url, "broker"),
     "RUNSTILE_SYNCHRONOUS": (_synchronous, "SQLite synchronous level"),
@@ -247,7 +263,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_DELIVERY_BACKOFF_S": (_positive_float, "first delivery retry delay, s"),
     "RUNSTILE_DELIVERY_MAX_ATTEMPTS": (_positive_int, "delivery attempts before parking"),
     "RUNSTILE_CALLBACK_ALLOWLIST": (_allowlist, "hosts/CIDRs exempt from the SSRF guard"),
-    "RUNSTILE_HOST": (_optional_text, "listen address"),
+    "RUNSTILE_HOST": (_text, "listen address"),
     "RUNSTILE_PORT": (_port, "listen port"),
     "RUNSTILE_WEB_WORKERS": (_positive_int, "web processes"),
     "RUNSTILE_WEB_THREADS": (_positive_int, "threads per web process"),

@@ -132,4 +132,19 @@ class Supervisor:
         self._signal_children(signal.SIGKILL)
         for child in self.children:
             child.proc.wait()
+        self._fold_wal()
         return 1 if failed else 0
+
+    def _fold_wal(self) -> None:
+        """Fold the WAL into ledger.db once every child is gone, so that the main file
+        alone is complete after a clean stop (the WAL is never optional, but operators
+        copying files by hand should not be one step from losing acknowledged runs)."""
+        try:
+            conn = db.connect(self.settings.ledger_path, busy_timeout_ms=1000)
+            try:
+                with db.ledger_errors():
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                conn.close()
+        except Exception as exc:  # best effort: the WAL stays valid either way
+            click.echo(f"runstile: could not fold the WAL into the ledger: {exc}", err=True)

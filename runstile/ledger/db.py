@@ -221,10 +221,16 @@ class ConnectionPool:
         self.synchronous = synchronous
         self.busy_timeout_ms = busy_timeout_ms
         self._local = threading.local()
+        #: Connections inherited across a fork: never used, never closed (SQLite forbids
+        #: touching them in the child, closing included), just kept from the collector.
+        self._inherited: list[sqlite3.Connection] = []
 
     def get(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
-        if conn is None or self._local.pid != os.getpid():
+        if conn is not None and self._local.pid != os.getpid():
+            self._inherited.append(conn)
+            conn = None
+        if conn is None:
             conn = connect(self.path, synchronous=self.synchronous,
                            busy_timeout_ms=self.busy_timeout_ms)
             self._local.conn, self._local.pid = conn, os.getpid()

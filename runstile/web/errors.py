@@ -8,12 +8,14 @@ from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ..errors import (CapacityExceeded, LedgerUnavailable, MethodNotAllowed, PayloadTooLarge,
-                      RouteNotFound, RunstileError, Unauthorized)
+                      RouteNotFound, RunstileError, StreamsExhausted, Unauthorized)
 from .state import state
 
 log = logging.getLogger("runstile.web")
 
-_HTTP = {404: RouteNotFound, 405: MethodNotAllowed, 413: PayloadTooLarge}
+_HTTP = {404: (RouteNotFound, "no route matches this path"),
+         405: (MethodNotAllowed, "this route does not accept this method"),
+         413: (PayloadTooLarge, "the body is too large")}
 
 
 def error_response(exc: RunstileError):
@@ -24,7 +26,7 @@ def error_response(exc: RunstileError):
     response.status_code = exc.status
     if isinstance(exc, Unauthorized):
         response.headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(exc, (LedgerUnavailable, CapacityExceeded)):
+    if isinstance(exc, (LedgerUnavailable, CapacityExceeded, StreamsExhausted)):
         response.headers["Retry-After"] = str(state().settings.retry_after_s)
     return response
 
@@ -39,9 +41,10 @@ def install(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):
-        cls = _HTTP.get(exc.code or 500)
-        if cls is not None:
-            response = error_response(cls())
+        known = _HTTP.get(exc.code or 500)
+        if known is not None:
+            cls, message = known
+            response = error_response(cls(message))
         else:
             err = RunstileError(exc.description or exc.name)
             err.code, err.status = (exc.name or "error").lower().replace(" ", "_"), exc.code or 500

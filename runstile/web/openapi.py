@@ -191,7 +191,8 @@ def document() -> dict:
             },
             "/readyz": {
                 "get": {"operationId": "readyz", "security": [],
-                        "summary": "Ledger open, migrated and recovered",
+                        "summary": "Ledger open and migrated (recovery joins this check "
+                                   "when the recovery barrier lands)",
                         "responses": {"200": _json("Health", "ready"),
                                       "503": _json("Health", "not ready (Retry-After)")}},
             },
@@ -201,9 +202,10 @@ def document() -> dict:
                             "text/plain": {"schema": {"type": "string"}}}}}},
             },
             "/openapi.json": {
-                "get": {"operationId": "openapi", "summary": "This document", "security": [],
+                "get": {"operationId": "openapi", "summary": "This document",
                         "responses": {"200": {"description": "OpenAPI 3.1", "content": {
-                            "application/json": {"schema": {"type": "object"}}}}}},
+                            "application/json": {"schema": {"type": "object"}}}},
+                            "401": _error("missing, malformed, unknown or revoked key")}},
             },
         },
     }

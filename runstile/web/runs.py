@@ -195,7 +195,9 @@ _slots = _StreamSlots()
 
 def _stream(run_id: str, after: int) -> Response:
     settings, pool = state().settings, state().pool
-    if not _slots.take(settings.max_streams):
+    # A stream holds a gthread thread for its whole life: never let streams take more
+    # than half of them, or a few watchers would starve every other request.
+    if not _slots.take(min(settings.max_streams, max(1, settings.web_threads // 2))):
         raise StreamsExhausted("this process serves its maximum of event streams; retry")
 
     def frames():

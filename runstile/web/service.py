@@ -47,6 +47,7 @@ def prometheus():
 
 @blueprint.get("/openapi.json")
 def openapi_document():
+    authenticate()  # SPEC §3: only /healthz, /readyz and /metrics answer without a key
     return jsonify(openapi.document())
 
 

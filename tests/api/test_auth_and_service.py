@@ -46,9 +46,10 @@ def test_rotation_keeps_the_key_id_runs_and_records(api, capsys):
     assert replay.json()["replayed"] is True and replay.json()["id"] == rid
 
 
-def test_health_readiness_metrics_and_openapi_need_no_key(shared_server):
-    for path in ["/healthz", "/readyz", "/metrics", "/openapi.json"]:
+def test_health_readiness_and_metrics_need_no_key_but_openapi_does(shared_server):
+    for path in ["/healthz", "/readyz", "/metrics"]:
         assert requests.get(shared_server.url + path, timeout=10).status_code == 200, path
+    assert requests.get(shared_server.url + "/openapi.json", timeout=10).status_code == 401
     ready = requests.get(shared_server.url + "/readyz", timeout=10).json()
     assert ready["checks"] == {"ledger": True, "migrated": True}
 
@@ -81,10 +82,11 @@ def test_capabilities_describe_the_contract(api):
     assert isinstance(caps["node"]["generation"], int)
 
 
-def test_openapi_covers_every_route_the_app_serves(shared_server):
+def test_openapi_covers_every_route_the_app_serves(api):
     from runstile.config import Settings
     from runstile.web import create_app
-    doc = requests.get(shared_server.url + "/openapi.json", timeout=10).json()
+    shared_server = api.server
+    doc = api.get("/openapi.json").json()
     app = create_app(Settings(data_dir=shared_server.data_dir))
     served = set()
     for rule in app.url_map.iter_rules():
@@ -103,3 +105,4 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(api):
     wrong = requests.delete(api.server.url + "/v1/runs", headers=api.key.headers, timeout=10)
     assert wrong.status_code == 405
     assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "Raised when" not in wrong.text + missing.text

@@ -28,11 +28,11 @@ def test_environment_values_are_parsed():
     s = Settings.from_env({"RUNSTILE_DATA_DIR": "/tmp/x", "RUNSTILE_TASKS": "a.b, c",
                            "RUNSTILE_SYNCHRONOUS": "normal", "RUNSTILE_MAX_ACTIVE_RUNS": "7",
                            "RUNSTILE_CALLBACK_ALLOWLIST": "hooks.internal, 10.0.0.0/8",
-                           "RUNSTILE_BROKER_URL": "redis://127.0.0.1:6379/0"})
+                           "RUNSTILE_BROKER_URL": "sqlite"})
     assert s.data_dir == Path("/tmp/x") and s.tasks == ("a.b", "c")
     assert s.synchronous == "NORMAL" and s.max_active_runs == 7
     assert s.callback_allowlist == ("hooks.internal", "10.0.0.0/8")
-    assert s.broker_url.startswith("redis://")
+    assert s.broker_url == "sqlite"
 
 
 def test_flags_override_the_environment():
@@ -47,6 +47,8 @@ def test_flags_override_the_environment():
     ("RUNSTILE_TASKS", " , "), ("RUNSTILE_CALLBACK_ALLOWLIST", "10.0.0.0/99"),
     ("RUNSTILE_NODE_ID", "has space"), ("RUNSTILE_CRASHPOINT", "nowhere"),
     ("RUNSTILE_RUN_RETENTION_S", "-5"), ("RUNSTILE_MAX_BODY_BYTES", "1.5"),
+    ("RUNSTILE_HOST", " "), ("RUNSTILE_DATA_DIR", ""),
+    ("RUNSTILE_BROKER_URL", "redis://127.0.0.1:6379/0"),
 ])
 def test_an_invalid_value_is_refused_naming_the_variable(name, value):
     with pytest.raises(ConfigError) as info:
