@@ -95,3 +95,14 @@ async def async_task(ctx, input):
 @runstile.task("t.not_json")
 def not_json(ctx, input):
     return {1, 2}
+
+
+@runstile.task("t.long")
+def long(ctx, input):
+    """Runs for a while in small sleeps, logging each tick, unless it is interrupted."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    for i in range(input.get("ticks", 100)):
+        time.sleep(0.05)
+        log_line(input["log"], f"tick {ctx.run_id} {i}")
+    log_line(input["log"], f"end {ctx.run_id}")
+    return "finished"

@@ -253,3 +253,25 @@ def test_two_nodes_of_the_same_id_on_one_data_dir_refuse(make_system, ledger):
     assert second.returncode == 1
     assert "already running" in second.stderr
     assert system.proc.poll() is None
+
+
+def test_a_heartbeat_that_renews_nothing_interrupts_the_body(make_system, ledger, tmp_path):
+    system = make_system(workers=1, threads=2, RUNSTILE_HEARTBEAT_S="0.2", RUNSTILE_LEASE_S="3")
+    api = Api(system, ledger.key(), ledger)
+    log = tmp_path / "executions.log"
+    rid = api.post_run({"task": "t.long", "input": {"log": str(log), "ticks": 200}}).json()["id"]
+    wait_until(lambda: any(l.startswith(f"tick {rid}") for l in read_log(log)), 30, 0.02,
+               "the body to run")
+    # Someone else (recovery, after this owner looked dead) took the lease away.
+    conn = ledger.connect()
+    conn.execute("UPDATE runs SET lease_expires_at = 0 WHERE id = ?", (rid,))
+    conn.close()
+    wait_until(lambda: "lease lost; interrupting its body" in system.log(), 10, 0.05,
+               "the heartbeat to notice")
+    ticks = lambda: sum(l.startswith(f"tick {rid}") for l in read_log(log))
+    settled = ticks()
+    time.sleep(0.5)
+    assert ticks() <= settled + 1, "the body kept running after its lease was lost"
+    assert f"end {rid}" not in read_log(log)
+    # The stale owner wrote no outcome: the run is still 'running' for recovery to judge.
+    assert api.get(f"/v1/runs/{rid}").json()["status"] == "running"
