@@ -12,12 +12,13 @@ import json
 import logging
 import os
 import threading
+import time
 
 import dramatiq
 
 from .. import dispatch
 from ..config import Settings
-from ..errors import LedgerUnavailable
+from ..errors import LedgerUnavailable, RunstileError
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
@@ -30,6 +31,8 @@ log = logging.getLogger("runstile.workers")
 
 #: Milliseconds before a message whose claim hit an unavailable ledger is tried again.
 CLAIM_RETRY_DELAY_MS = 1000
+#: Seconds between attempts to record an outcome while the ledger is unavailable.
+FINISH_RETRY_S = 0.2
 
 
 class Executor:
@@ -77,8 +80,10 @@ class Executor:
             except Interrupt:
                 raise
             except Exception as exc:  # the task's own failure: recorded, never re-raised
-                outcome = {"status": "failed", "error_code": getattr(exc, "code", None)
-                           if isinstance(getattr(exc, "code", None), str) else "task_error",
+                # runstile's own errors (invalid_event, ...) keep their stable code;
+                # anything else the task raised is task_error with its class and text.
+                code = exc.code if isinstance(exc, RunstileError) else "task_error"
+                outcome = {"status": "failed", "error_code": code,
                            "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:
                 still_ours = self.executions.finishing(item)
@@ -92,10 +97,26 @@ class Executor:
             self.executions.end(item)
         if not still_ours:
             return
-        finished = execution.finish(conn, run["id"], owner, **outcome)
+        finished = self._finish(run["id"], owner, outcome)
         if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])
+
+    def _finish(self, run_id: str, owner: Owner, outcome: dict) -> dict | None:
+        """Record the outcome, retrying a briefly unavailable ledger while the lease
+        lasts: the body's work is done, and losing its outcome would leave the run to
+        recovery as if the body had died."""
+        deadline = time.monotonic() + self.settings.lease_s
+        while True:
+            try:
+                return execution.finish(self.pool.get(), run_id, owner, **outcome)
+            except LedgerUnavailable as exc:
+                self.pool.discard()
+                if time.monotonic() >= deadline:
+                    log.error("run %s: could not record its outcome (%s); recovery will "
+                              "classify it", run_id, exc.message)
+                    return None
+                time.sleep(FINISH_RETRY_S)
 
     @staticmethod
     def _call(spec: registry.TaskSpec, ctx: RunContext, value):
