@@ -291,6 +291,32 @@ def worker_process(settings, generation, threads):
     sys.exit(process.run(settings.replace(threads=threads or settings.threads), generation))
 
 
+@cli.command("recover")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def recover(settings, as_json):
+    """One recovery pass now (for cron); never bumps a node generation."""
+    import logging
+    from .ledger import db as ledger_db, recovery as ledger_recovery
+    from .recovery import reconcile
+    from .workers import registry
+    logging.basicConfig(level=logging.INFO if not as_json else logging.WARNING,
+                        format="%(asctime)s %(levelname)s [recover] %(message)s")
+    registry.load(settings.tasks)
+    _ledger(settings).close()
+    conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)
+    try:
+        generation, _ = ledger_recovery.begin_generation_check(conn, settings.node_id)
+    finally:
+        conn.close()
+    report = reconcile.run_pass(settings, generation=generation, trigger="command")
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        click.echo(f"recovered: {dict(report.counts) or 'nothing to do'} "
+                   f"in {report.duration_s:.3f}s")
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 

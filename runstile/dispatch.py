@@ -28,7 +28,8 @@ def message_for(run_id: str, dispatch_id: int | None = None) -> dramatiq.Message
 
 def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
     message = message_for(run["id"], dispatch_id)
-    broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode())
+    broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode(),
+                                run_id=run["id"])
 
 
 def in_transaction_enqueue(settings: Settings) -> Enqueue | None:

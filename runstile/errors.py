@@ -154,6 +154,12 @@ class RunIdConflict(Conflict):
     code = "run_id_conflict"
 
 
+class RunNotPaused(Conflict):
+    """Raised when /resume is asked of a run that is not paused."""
+
+    code = "run_not_paused"
+
+
 class IdempotencyKeyExpired(RunstileError):
     """Raised when a key or run id is only remembered as a tombstone after retention."""
 

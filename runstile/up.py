@@ -7,9 +7,11 @@ its own process group and shuts them all down on SIGINT/SIGTERM, however many ar
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +20,8 @@ import click
 from .config import Settings
 from .ledger import db, keys, migrations, nodes
 from .nodelock import NodeLock
+from .recovery import reconcile
+from .workers import registry
 
 #: Seconds children get after the drain timeout before they are killed (SPEC §6.4).
 KILL_GRACE_S = 5.0
@@ -43,17 +47,28 @@ class Supervisor:
             args += ["--tasks", module]
         return args
 
-    def plan(self, generation: int) -> None:
+    def plan_web(self) -> list[Child]:
         s, runstile = self.settings, [sys.executable, "-m", "runstile"]
-        if self.web:
-            self.children.append(Child("web", [
-                *runstile, "serve", *self._common_args(), "--host", s.host, "--port",
-                str(s.port), "--web-workers", str(s.web_workers), "--threads",
-                str(s.web_threads)]))
+        if not self.web:
+            return []
+        return [Child("web", [
+            *runstile, "serve", *self._common_args(), "--host", s.host, "--port",
+            str(s.port), "--web-workers", str(s.web_workers), "--threads",
+            str(s.web_threads)])]
+
+    def plan_workers(self, generation: int) -> list[Child]:
+        s, runstile = self.settings, [sys.executable, "-m", "runstile"]
+        children = []
         for n in range(s.workers):
-            self.children.append(Child(f"worker-{n + 1}", [
+            children.append(Child(f"worker-{n + 1}", [
                 *runstile, "worker-process", *self._common_args(), "--generation",
                 str(generation), "--threads", str(s.threads)]))
+        return children
+
+    def _start(self, children: list[Child]) -> None:
+        for child in children:
+            child.proc = subprocess.Popen(child.argv)
+            self.children.append(child)
 
     def bootstrap(self, generation: int) -> None:
         conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous,
@@ -91,6 +106,8 @@ class Supervisor:
                     pass
 
     def run(self) -> int:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s [supervisor] %(message)s")
         lock = NodeLock(self.settings.data_dir, self.settings.node_id).acquire()
         try:
             migrations.migrate(self.settings.ledger_path, synchronous=self.settings.synchronous,
@@ -102,9 +119,16 @@ class Supervisor:
                 conn.close()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, self._on_signal)
-            self.plan(generation)
-            for child in self.children:
-                child.proc = subprocess.Popen(child.argv)
+            registry.load(self.settings.tasks)  # recovery needs each task's on_crash
+            # The web starts first and answers /readyz 503 until the barrier opens; no
+            # worker process exists before this boot's recovery has finished.
+            self._start(self.plan_web())
+            reconcile.boot(self.settings, generation)
+            if self.stopping:
+                return self._watch()
+            self._start(self.plan_workers(generation))
+            threading.Thread(target=self._scheduled_recovery, args=(generation,),
+                             name="runstile-recovery", daemon=True).start()
             if self.web:
                 self.bootstrap(generation)
             else:
@@ -114,6 +138,17 @@ class Supervisor:
             return self._watch()
         finally:
             lock.release()
+
+    def _scheduled_recovery(self, generation: int) -> None:
+        """SPEC §6.1: a recovery pass every RUNSTILE_RECOVERY_INTERVAL_S while up."""
+        while not self.stopping:
+            time.sleep(self.settings.recovery_interval_s)
+            if self.stopping:
+                return
+            try:
+                reconcile.run_pass(self.settings, generation=generation, trigger="scheduled")
+            except Exception as exc:  # the next pass tries again; never take the node down
+                click.echo(f"runstile: scheduled recovery failed: {exc}", err=True)
 
     def _watch(self) -> int:
         failed = False

@@ -42,7 +42,7 @@ class ConsumerInfo:
 
 
 def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, body: bytes,
-                   eta: float | None = None) -> int:
+                   eta: float | None = None, run_id: str | None = None) -> int:
     """Add one ready message; return its delivery id.  Runs in the caller's transaction.
 
     ``eta`` is the Unix time (seconds) of a delayed message, which lives on the delay
@@ -53,8 +53,8 @@ def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, b
     with db.ledger_errors():
         return conn.execute(
             "INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
-            f"enqueued_at) VALUES (?, ?, ?, ?, '{READY}', {NOW}) RETURNING id",
-            (queue_name, message_id, sqlite3.Binary(body), eta)).fetchone()[0]
+            f"enqueued_at, run_id) VALUES (?, ?, ?, ?, '{READY}', {NOW}, ?) RETURNING id",
+            (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).fetchone()[0]
 
 
 def register_consumer(conn: sqlite3.Connection, info: ConsumerInfo) -> None:

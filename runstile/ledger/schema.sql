@@ -82,6 +82,10 @@ CREATE INDEX runs_by_profile ON runs (profile_id, seq);
 CREATE INDEX runs_by_session ON runs (profile_id, key_id, session_key, seq)
     WHERE session_key IS NOT NULL;
 CREATE INDEX runs_finished   ON runs (finished_at) WHERE finished_at IS NOT NULL;
+-- Recovery's two scans: runs handed to a worker (whose lease may have lapsed), and
+-- runs waiting in the queue (whose message a broker may have lost).
+CREATE INDEX runs_in_flight  ON runs (lease_expires_at) WHERE status IN ('running', 'stopping');
+CREATE INDEX runs_queued     ON runs (updated_at) WHERE status = 'queued';
 
 -- A terminal run never changes status again (SPEC §4); this is the ledger's own guard
 -- beneath the guarded UPDATEs.
@@ -202,9 +206,24 @@ CREATE TABLE events (
 -- node's flock (SPEC §5): owners of earlier generations are dead by definition, so
 -- recovery treats their leases as expired at once.  Written only by the lock holder.
 CREATE TABLE nodes (
-    id         TEXT PRIMARY KEY,
-    generation INTEGER NOT NULL DEFAULT 0,
-    booted_at  REAL
+    id                   TEXT PRIMARY KEY,
+    generation           INTEGER NOT NULL DEFAULT 0,
+    booted_at            REAL,
+    -- The generation whose boot recovery has finished: the recovery barrier (SPEC §6.1)
+    -- is open for this node exactly when recovered_generation = generation.
+    recovered_generation INTEGER NOT NULL DEFAULT 0
+);
+
+-- recovery_reports: one row per recovery pass (boot, scheduled or `runstile recover`),
+-- written by recovery/reconcile.py when the pass ends; read by GET /v1/recovery.
+CREATE TABLE recovery_reports (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    node_id     TEXT NOT NULL,
+    generation  INTEGER NOT NULL,
+    trigger     TEXT NOT NULL CHECK (trigger IN ('boot', 'scheduled', 'command')),
+    started_at  REAL NOT NULL,
+    finished_at REAL NOT NULL,
+    counts      TEXT NOT NULL                           -- JSON: class -> runs
 );
 
 -- ---------------------------------------------------------------------------------------
@@ -226,6 +245,7 @@ CREATE TABLE broker_messages (
     queue_name  TEXT NOT NULL,                          -- 'default', 'default.DQ', ...
     message_id  TEXT NOT NULL,                          -- Dramatiq message id
     body        BLOB NOT NULL,                          -- Dramatiq's encoder output
+    run_id      TEXT,                                   -- the run it carries, if any
     eta         REAL,                                   -- delayed messages: due time
     state       TEXT NOT NULL DEFAULT 'ready' CHECK (state IN ('ready', 'claimed', 'dead')),
     claimed_by  TEXT,
@@ -238,6 +258,7 @@ CREATE INDEX broker_messages_ready   ON broker_messages (queue_name, eta, id)
     WHERE state = 'ready';
 CREATE INDEX broker_messages_claimed ON broker_messages (claimed_by) WHERE state = 'claimed';
 CREATE INDEX broker_messages_dead    ON broker_messages (dead_at) WHERE state = 'dead';
+CREATE INDEX broker_messages_run     ON broker_messages (run_id) WHERE run_id IS NOT NULL;
 
 -- broker_consumers: one row per live consumer of the embedded broker.  Inserted when a
 -- consumer opens; last_seen_at renewed every few seconds by its process's heartbeat

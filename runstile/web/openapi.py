@@ -180,6 +180,24 @@ def document() -> dict:
                     },
                 },
             },
+            "/v1/runs/{run_id}/resume": {
+                "post": {
+                    "operationId": "resumeRun",
+                    "summary": "Re-queue a paused run (attempt + 1): a person accepts the "
+                               "uncertainty",
+                    "parameters": [_RUN_ID_PARAM],
+                    "responses": {"200": _json("Run", "the re-queued run"),
+                                  "404": _error("run_not_found"),
+                                  "409": _error("run_not_paused"), **_AUTH_ERRORS},
+                },
+            },
+            "/v1/recovery": {
+                "get": {"operationId": "recoveryReports",
+                        "summary": "The latest recovery reports (admin keys; 404 otherwise)",
+                        "responses": {"200": {"description": "reports", "content": {
+                            "application/json": {"schema": {"type": "object"}}}},
+                            "404": _error("not_found for a client key"), **_AUTH_ERRORS}},
+            },
             "/v1/capabilities": {
                 "get": {"operationId": "capabilities", "summary": "The contract, machine-readable",
                         "responses": {"200": _json("Capabilities", "capabilities"),

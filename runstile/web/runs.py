@@ -12,8 +12,9 @@ import time
 from flask import Blueprint, Response, jsonify, request
 
 from .. import dispatch
-from ..errors import InvalidRequest, RunNotFound, RunstileError, StreamsExhausted
-from ..ledger import events, runs
+from ..errors import (InvalidRequest, RunNotFound, RunNotPaused, RunstileError,
+                      StreamsExhausted)
+from ..ledger import events, execution, runs
 from ..ledger.states import TERMINAL, RunStatus
 from ..objects import event_object, parse_rfc3339, run_object
 from . import admission, metrics
@@ -74,6 +75,19 @@ def visible_run(run_id: str) -> dict:
     if run is None:
         raise RunNotFound("no such run")
     return run
+
+
+@blueprint.post("/v1/runs/<run_id>/resume")
+def resume_run(run_id: str):
+    """SPEC §3.4: a person accepts the uncertainty of a paused run; it runs again."""
+    run = visible_run(run_id)
+    resumed = execution.requeue(conn(), run_id, from_statuses=("paused",), reason="resumed",
+                                event_type="run.resumed",
+                                enqueue=dispatch.in_transaction_enqueue(state().settings))
+    if resumed is None:
+        current = runs.get_visible(conn(), principal(), run_id) or run
+        raise RunNotPaused(f"the run is {current['status']}, not paused", run_status=current["status"])
+    return jsonify(run_object(resumed))
 
 
 @blueprint.get("/v1/runs/<run_id>")

@@ -9,6 +9,10 @@ from ..errors import LedgerUnavailable, RunstileError
 from ..fingerprint import FINGERPRINT_VERSION
 from ..ledger import migrations, status as ledger_status
 from ..ledger.states import TERMINAL, RunStatus
+from ..recovery import barrier
+from ..ledger import recovery as ledger_recovery
+from ..errors import RouteNotFound
+from ..objects import rfc3339
 from . import metrics, openapi
 from .admission import RUN_ID_PATTERN
 from .auth import authenticate
@@ -24,11 +28,13 @@ def healthz():
 
 @blueprint.get("/readyz")
 def readyz():
-    checks = {"ledger": False, "migrated": False}
+    checks = {"ledger": False, "migrated": False, "recovered": False}
     try:
         connection = conn()
         checks["ledger"] = ledger_status.ping(connection)
         checks["migrated"] = migrations.is_current(connection)
+        checks["recovered"] = checks["migrated"] and barrier.is_open(
+            connection, state().settings.node_id)
     except (LedgerUnavailable, RunstileError):
         state().pool.discard()
     ready = all(checks.values())
@@ -49,6 +55,20 @@ def prometheus():
 def openapi_document():
     authenticate()  # SPEC §3: only /healthz, /readyz and /metrics answer without a key
     return jsonify(openapi.document())
+
+
+@blueprint.get("/v1/recovery")
+def recovery_reports():
+    principal = authenticate()
+    if not principal.is_admin:
+        raise RouteNotFound("no route matches this path")  # no 403: admins only see it
+    reports = ledger_recovery.latest_reports(conn())
+    return jsonify({"object": "list", "data": [
+        {"object": "recovery_report", "id": r["id"], "node_id": r["node_id"],
+         "generation": r["generation"], "trigger": r["trigger"],
+         "started_at": rfc3339(r["started_at"]), "finished_at": rfc3339(r["finished_at"]),
+         "duration_s": r["counts"].pop("duration_s", None), "counts": r["counts"]}
+        for r in reports]})
 
 
 @blueprint.get("/v1/capabilities")

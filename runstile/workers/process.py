@@ -11,10 +11,13 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import dramatiq
 
 from ..config import Settings
+from ..errors import RunstileError
+from ..ledger import recovery
 from ..ledger.db import ConnectionPool
 from . import actors, registry
 from .broker import make_broker
@@ -48,12 +51,35 @@ def run(settings: Settings, generation: int) -> int:
     log.info("worker up: node %s generation %d, %d threads", settings.node_id, generation,
              settings.threads)
     stop.wait()
-    log.info("stopping: no new messages; waiting up to %.0fs for running bodies",
-             settings.drain_timeout_s)
-    worker.stop(timeout=int(settings.drain_timeout_s * 1000))
+    drain(settings, worker, executions, pool, generation)
     keeper.stop()
-    broker.close()
-    # Do not wait for abandoned body threads (SPEC §6.4): their leases lapse and
-    # recovery classifies their runs.
     logging.shutdown()
+    # Do not wait for abandoned body threads (SPEC §6.4).
     os._exit(0)
+
+
+def drain(settings: Settings, worker: dramatiq.Worker, executions: Executions,
+          pool: ConnectionPool, generation: int) -> None:
+    """SPEC §6.4: stop consuming, let running bodies finish for up to the drain timeout
+    (heartbeats go on), then mark every run still in flight as a controlled interruption
+    in ONE transaction.  The next recovery re-queues those runs with attempt + 1."""
+    log.info("draining: no new messages; waiting up to %.1fs for %d running bodies",
+             settings.drain_timeout_s, len(executions.snapshot()))
+    # Dramatiq's stop lets worker threads finish and puts prefetched messages back; it
+    # runs beside us because it may wait longer than our drain timeout.
+    threading.Thread(target=worker.stop, kwargs={"timeout": int(settings.drain_timeout_s * 1000)},
+                     name="runstile-dramatiq-stop", daemon=True).start()
+    deadline = time.monotonic() + settings.drain_timeout_s
+    while executions.snapshot() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if executions.snapshot():
+        try:
+            drained = recovery.mark_drained(pool.get(), node=settings.node_id,
+                                            generation=generation, pid=os.getpid())
+            log.warning("drain timeout: %d runs marked as a controlled interruption: %s",
+                        len(drained), ", ".join(drained))
+        except RunstileError as exc:
+            log.error("drain: could not mark running runs (%s); their leases will lapse "
+                      "and recovery will classify them", exc.message)
+    else:
+        log.info("drained: every running body finished")

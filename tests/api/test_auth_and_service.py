@@ -51,7 +51,7 @@ def test_health_readiness_and_metrics_need_no_key_but_openapi_does(shared_server
         assert requests.get(shared_server.url + path, timeout=10).status_code == 200, path
     assert requests.get(shared_server.url + "/openapi.json", timeout=10).status_code == 401
     ready = requests.get(shared_server.url + "/readyz", timeout=10).json()
-    assert ready["checks"] == {"ledger": True, "migrated": True}
+    assert ready["checks"] == {"ledger": True, "migrated": True, "recovered": True}
 
 
 def test_metrics_count_admission_outcomes_across_processes(api):

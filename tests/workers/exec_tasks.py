@@ -106,3 +106,42 @@ def long(ctx, input):
         log_line(input["log"], f"tick {ctx.run_id} {i}")
     log_line(input["log"], f"end {ctx.run_id}")
     return "finished"
+
+
+def _hold(ctx, input):
+    """Log a start, then tick until ``ticks`` run out (long enough to be killed)."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    for _ in range(input.get("ticks", 400)):
+        time.sleep(0.05)
+    log_line(input["log"], f"end {ctx.run_id} {ctx.attempt}")
+    return {"attempt": ctx.attempt}
+
+
+@runstile.task("t.hold")
+def hold(ctx, input):
+    return _hold(ctx, input)
+
+
+@runstile.task("t.hold_resume", on_crash="resume")
+def hold_resume(ctx, input):
+    ticks = input.get("ticks", 400) if ctx.attempt == 1 else 1
+    return _hold(ctx, {**input, "ticks": ticks})
+
+
+@runstile.task("t.hold_pause", on_crash="pause")
+def hold_pause(ctx, input):
+    return _hold(ctx, input)
+
+
+@runstile.task("t.side_effect", on_crash="resume")
+def side_effect(ctx, input):
+    """A non-idempotent step that is still running when the process dies."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+
+    def charge_card():
+        log_line(input["log"], f"charge {ctx.run_id} {ctx.attempt}")
+        if ctx.attempt == 1:
+            time.sleep(30)  # killed in here
+        return {"charged": True}
+
+    return ctx.step("charge", charge_card)

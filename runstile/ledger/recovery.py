@@ -1,0 +1,175 @@
+"""Recovery's SQL (SPEC §6): find runs whose owner is gone and move each, by one guarded
+UPDATE, to the state the §6.3 table gives; find queued runs whose message is missing.
+
+Every UPDATE is guarded on the exact row recovery read (status, whole owner, lease
+expiry): if the owner renewed its lease in between, or another recovery got there
+first, the guard fails and the run is left alone.  So recoveries may overlap, be
+killed at any point and run again: k interrupted passes plus one clean pass equal one
+clean pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from . import db, events
+from .db import NOW
+from .journal import uncertain_steps
+from .runs import Enqueue, add_dispatch
+
+#: Columns whose values recovery guards on; a change means "not the row I judged".
+_GUARD = ("id = ? AND status = ? AND owner_node IS ? AND owner_generation IS ? AND "
+          "owner_pid IS ? AND owner_thread IS ? AND lease_expires_at IS ?")
+
+
+def _guard_args(run: dict) -> tuple:
+    return (run["id"], run["status"], run["owner_node"], run["owner_generation"],
+            run["owner_pid"], run["owner_thread"], run["lease_expires_at"])
+
+
+def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
+             limit: int) -> list[dict]:
+    """Runs handed to a worker whose owner is gone: the lease lapsed, or the owner is an
+    earlier generation of this node (dead by definition once this generation booted)."""
+    rows = conn.execute(
+        "SELECT * FROM runs WHERE status IN ('running', 'stopping') AND "
+        f"(lease_expires_at IS NULL OR lease_expires_at <= {NOW} OR "
+        " (owner_node = ? AND owner_generation < ?)) ORDER BY lease_expires_at LIMIT ?",
+        (node_id, generation, limit)).fetchall()
+    return [dict(r) for r in rows]
+
+
+def classify(conn: sqlite3.Connection, run: dict, *, on_crash: str, budget: int) -> tuple[str, str | None]:
+    """The SPEC §6.3 row for ``run``: (class, reason).  Pure decision from the ledger."""
+    if run["status"] == "stopping":
+        return "cancelled", "stopped"
+    steps = uncertain_steps(conn, run["id"])
+    if steps:
+        return "paused", "uncertain_side_effect"
+    if run["interruption"] == "drain":
+        requeue_reason = "drained"
+    elif on_crash == "resume":
+        requeue_reason = "owner_lost"
+    elif on_crash == "pause":
+        return "paused", "owner_lost"
+    else:
+        return "interrupted", "owner_lost"
+    if run["recovery_attempts"] >= budget:
+        return "paused", "recovery_budget_exhausted"
+    return "requeued", requeue_reason
+
+
+def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
+          enqueue: Enqueue | None) -> bool:
+    """Move ``run`` to ``klass`` in the caller's transaction; False if the guard lost."""
+    clear_owner = ("owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
+                   "owner_thread = NULL, lease_expires_at = NULL, interruption = NULL, "
+                   f"recovery_attempts = recovery_attempts + 1, updated_at = {NOW}")
+    if klass == "requeued":
+        row = conn.execute(
+            f"UPDATE runs SET status = 'queued', attempt = attempt + 1, recovery_reason = ?, "
+            f"{clear_owner} WHERE {_GUARD} RETURNING *", (reason, *_guard_args(run))).fetchone()
+        if row is None:
+            return False
+        row = dict(row)
+        events.append(conn, run["id"], "run.requeued",
+                      {"reason": reason, "attempt": row["attempt"]})
+        add_dispatch(conn, row, "recovered", enqueue)
+        return True
+    if klass == "paused":
+        row = conn.execute(
+            f"UPDATE runs SET status = 'paused', recovery_reason = ?, {clear_owner} "
+            f"WHERE {_GUARD} RETURNING id", (reason, *_guard_args(run))).fetchone()
+        if row is None:
+            return False
+        data: dict = {"reason": reason}
+        if reason == "uncertain_side_effect":
+            data["steps"] = uncertain_steps(conn, run["id"])
+        events.append(conn, run["id"], "run.paused", data)
+        return True
+    terminal = {"cancelled": ("cancelled", None, None),
+                "interrupted": ("interrupted", "owner_lost",
+                                "the worker running this run stopped before it finished")}
+    status, code, message = terminal[klass]
+    row = conn.execute(
+        f"UPDATE runs SET status = ?, error_code = ?, error_message = ?, recovery_reason = ?, "
+        f"finished_at = {NOW}, {clear_owner} WHERE {_GUARD} RETURNING id",
+        (status, code, message, reason, *_guard_args(run))).fetchone()
+    if row is None:
+        return False
+    events.append(conn, run["id"], f"run.{status}",
+                  {"reason": reason} if code is None else
+                  {"reason": reason, "error": {"code": code, "message": message}})
+    return True
+
+
+def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) -> list[dict]:
+    """Queued runs, idle longer than ``older_than_s``, with no live message in the
+    embedded broker (a message that was dead-lettered, flushed or lost)."""
+    rows = conn.execute(
+        f"SELECT * FROM runs WHERE status = 'queued' AND updated_at <= {NOW} - ? AND NOT EXISTS "
+        "(SELECT 1 FROM broker_messages m WHERE m.run_id = runs.id AND m.state != 'dead') "
+        "ORDER BY updated_at LIMIT ?", (older_than_s, limit)).fetchall()
+    return [dict(r) for r in rows]
+
+
+def republish(conn: sqlite3.Connection, run: dict, enqueue: Enqueue) -> bool:
+    """Hand a stranded queued run to the broker again (a duplicate is harmless: the
+    claim lets one execution through).  Guarded on the run still being queued."""
+    row = conn.execute(f"UPDATE runs SET updated_at = {NOW} WHERE id = ? AND status = 'queued' "
+                       "AND updated_at IS ? RETURNING *", (run["id"], run["updated_at"])).fetchone()
+    if row is None:
+        return False
+    add_dispatch(conn, dict(row), "republished", enqueue)
+    return True
+
+
+def mark_drained(conn: sqlite3.Connection, *, node: str, generation: int, pid: int) -> list[str]:
+    """SPEC §6.4: every run this process still holds becomes a controlled interruption,
+    in ONE transaction, and its lease is released so recovery can act at once."""
+    with db.transaction(conn):
+        rows = conn.execute(
+            f"UPDATE runs SET interruption = 'drain', lease_expires_at = {NOW}, "
+            f"updated_at = {NOW} WHERE owner_node = ? AND owner_generation = ? AND "
+            "owner_pid = ? AND status IN ('running', 'stopping') RETURNING id",
+            (node, generation, pid)).fetchall()
+    return [r[0] for r in rows]
+
+
+def begin_generation_check(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:
+    """(generation, recovered_generation) of a node; (0, 0) when it never booted."""
+    with db.ledger_errors():
+        row = conn.execute("SELECT generation, recovered_generation FROM nodes WHERE id = ?",
+                           (node_id,)).fetchone()
+    return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+
+def open_barrier(conn: sqlite3.Connection, node_id: str, generation: int) -> bool:
+    """Record that this boot's recovery finished (guarded: only for the live generation)."""
+    with db.transaction(conn):
+        cur = conn.execute("UPDATE nodes SET recovered_generation = ? WHERE id = ? AND "
+                           "generation = ?", (generation, node_id, generation))
+    return cur.rowcount == 1
+
+
+def record_report(conn: sqlite3.Connection, *, node_id: str, generation: int, trigger: str,
+                  started_at: float, counts: dict) -> int:
+    with db.transaction(conn):
+        return conn.execute(
+            "INSERT INTO recovery_reports (node_id, generation, trigger, started_at, finished_at, "
+            f"counts) VALUES (?, ?, ?, ?, {NOW}, ?) RETURNING id",
+            (node_id, generation, trigger, started_at, json.dumps(counts, sort_keys=True))
+        ).fetchone()[0]
+
+
+def latest_reports(conn: sqlite3.Connection, limit: int = 20) -> list[dict]:
+    with db.ledger_errors():
+        rows = conn.execute("SELECT * FROM recovery_reports ORDER BY id DESC LIMIT ?",
+                            (limit,)).fetchall()
+    return [{**dict(r), "counts": json.loads(r["counts"])} for r in rows]
+
+
+def ledger_now(conn: sqlite3.Connection) -> float:
+    with db.ledger_errors():
+        return conn.execute(f"SELECT {NOW}").fetchone()[0]

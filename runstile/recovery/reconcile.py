@@ -1,0 +1,122 @@
+"""One recovery pass, in the order of SPEC §6.2.
+
+Called at every boot before any worker consumes (the barrier), on a schedule inside
+``runstile up``/``runstile worker``, and by ``runstile recover``.  Recovered runs go back
+through the queue's claim (a re-queue with a dispatch), never executed here: one path
+to execution (DBOS recovery does the same).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .. import dispatch
+from ..config import Settings
+from ..ledger import db, migrations, recovery, retention
+from ..workers import registry
+
+log = logging.getLogger("runstile.recovery")
+
+#: Runs classified per transaction (bounded batches: the write lock is shared).
+BATCH = 200
+#: A queued run idle this many leases without a live message is re-published.
+REPUBLISH_AFTER_LEASES = 2
+#: Retention batches one pass may purge (the rest waits for the next pass).
+MAX_PURGE_BATCHES = 20
+
+
+@dataclass
+class Report:
+    node_id: str
+    generation: int
+    trigger: str
+    counts: dict = field(default_factory=lambda: collections.Counter())
+    duration_s: float = 0.0
+    report_id: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"node_id": self.node_id, "generation": self.generation,
+                "trigger": self.trigger,
+                "counts": {name: n for name, n in self.counts.items() if n},
+                "duration_s": round(self.duration_s, 4), "report_id": self.report_id}
+
+
+def _on_crash(task: str) -> str:
+    spec = registry.get(task)
+    return spec.on_crash if spec is not None else "interrupt"
+
+
+def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
+    """One complete, idempotent recovery pass; returns its report (also recorded)."""
+    started = time.monotonic()
+    report = Report(settings.node_id, generation, trigger)
+    # 1. Migrate / check the ledger.
+    migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
+                       busy_timeout_ms=settings.busy_timeout_ms)
+    conn = db.connect(settings.ledger_path, synchronous=settings.synchronous,
+                      busy_timeout_ms=settings.busy_timeout_ms)
+    try:
+        started_at = recovery.ledger_now(conn)
+        enqueue = dispatch.in_transaction_enqueue(settings)
+        # 2. Sweep delivery obligations: nothing to sweep until obligations exist.
+        # 3. Reconcile the journal: runs whose owner is gone, batch by batch.
+        while True:
+            with db.transaction(conn):
+                batch = recovery.orphaned(conn, node_id=settings.node_id,
+                                          generation=generation, limit=BATCH)
+                for run in batch:
+                    klass, reason = recovery.classify(
+                        conn, run, on_crash=_on_crash(run["task"]),
+                        budget=settings.recovery_budget)
+                    if recovery.apply(conn, run, klass, reason, enqueue):
+                        report.counts[klass] += 1
+                        log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
+            if len(batch) < BATCH:
+                break
+        # 4. Re-publish runs still queued long after dispatch without a live message.
+        if enqueue is not None:
+            while True:
+                with db.transaction(conn):
+                    stale = recovery.stranded_queued(
+                        conn, older_than_s=REPUBLISH_AFTER_LEASES * settings.lease_s,
+                        limit=BATCH)
+                    for run in stale:
+                        if recovery.republish(conn, run, enqueue):
+                            report.counts["republished"] += 1
+                if len(stale) < BATCH:
+                    break
+        # 5. Session heads: sessions are not built yet, so no run waits on one.
+        # 6. Purge by retention, in bounded batches.
+        for _ in range(MAX_PURGE_BATCHES):
+            purged = retention.purge(conn, run_retention_s=settings.run_retention_s,
+                                     key_tombstone_s=settings.key_tombstone_s, batch=BATCH)
+            report.counts["purged"] += purged.runs
+            report.counts["tombstones_expired"] += purged.tombstones
+            if purged.runs < BATCH:
+                break
+        # 7. Record the report (the barrier is opened by the caller).
+        report.duration_s = time.monotonic() - started
+        report.report_id = recovery.record_report(
+            conn, node_id=settings.node_id, generation=generation, trigger=trigger,
+            started_at=started_at,
+            counts={**report.as_dict()["counts"], "duration_s": report.duration_s})
+    finally:
+        conn.close()
+    log.info("recovery (%s, generation %d): %s in %.3fs", trigger, generation,
+             report.as_dict()["counts"] or "nothing to do", report.duration_s)
+    return report
+
+
+def boot(settings: Settings, generation: int) -> Report:
+    """Recovery for a new generation, then open the barrier (SPEC §6.1, §2.4)."""
+    report = run_pass(settings, generation=generation, trigger="boot")
+    conn = db.connect(settings.ledger_path, synchronous=settings.synchronous,
+                      busy_timeout_ms=settings.busy_timeout_ms)
+    try:
+        recovery.open_barrier(conn, settings.node_id, generation)
+    finally:
+        conn.close()
+    return report

@@ -1,0 +1,272 @@
+"""Recovery (SPEC §6): every row of the §6.3 table, idempotence, the barrier, drain and
+resume — by editing the ledger into a crashed state and sweeping once, and by SIGKILLing
+a real ``runstile up`` and starting it again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from runstile.config import Settings
+from runstile.ledger import db, execution, journal, nodes, recovery as ledger_recovery, runs
+from runstile.ledger.execution import Owner
+from runstile.ledger.keys import Principal
+from runstile.recovery import barrier, reconcile
+from runstile.workers import registry
+from tests.conftest import Api, ROOT, wait_for_status, wait_until
+
+registry.load(("tests.workers.exec_tasks",))
+
+
+def admit(ledger, key, task: str) -> str:
+    conn = ledger.connect()
+    try:
+        request = runs.AdmissionRequest(
+            principal=Principal(key.profile, key.key_id, key.role), key=None,
+            key_is_derived=False, run_id=None, task=task, input_json="{}", session_key=None,
+            trigger_id=None, metadata_json=None, callback_url=None, fingerprint="f" * 64,
+            fingerprint_version=1)
+        return runs.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
+    finally:
+        conn.close()
+
+
+def crashed_run(ledger, key, task: str, *, generation: int = 1, lease_s: float = 60,
+                expire: bool = True, node: str = "node-a") -> tuple[str, Owner]:
+    """A run claimed by an owner that then died (its lease lapsed unless expire=False)."""
+    rid = admit(ledger, key, task)
+    owner = Owner(node, generation, 4242, 7)
+    conn = ledger.connect()
+    assert execution.claim(conn, rid, owner, lease_s=lease_s, task_known=lambda t: True).run
+    if expire:
+        conn.execute("UPDATE runs SET lease_expires_at = 0 WHERE id = ?", (rid,))
+    conn.close()
+    return rid, owner
+
+
+def settings_for(ledger, **changes) -> Settings:
+    return Settings(data_dir=ledger.data_dir, node_id="node-a", **changes)
+
+
+def status(ledger, rid):
+    return ledger.query("SELECT status, attempt, recovery_reason, recovery_attempts FROM runs "
+                        "WHERE id = ?", (rid,))[0]
+
+
+def event_types(ledger, rid):
+    return [t for (t,) in ledger.query("SELECT type FROM events WHERE run_id = ? ORDER BY seq",
+                                       (rid,))]
+
+
+def test_every_row_of_the_classification_table(ledger):
+    key = ledger.key()
+    stopping, _ = crashed_run(ledger, key, "t.hold")
+    ledger.query("SELECT 1")
+    conn = ledger.connect()
+    conn.execute("UPDATE runs SET status = 'stopping' WHERE id = ?", (stopping,))
+    uncertain, owner = crashed_run(ledger, key, "t.hold_resume", expire=False)
+    journal.start_step(conn, uncertain, owner, position=1, name="charge", args_hash="h",
+                       idempotent=False, restart=False)
+    idempotent_only, owner2 = crashed_run(ledger, key, "t.hold", expire=False)
+    journal.start_step(conn, idempotent_only, owner2, position=1, name="fetch", args_hash="h",
+                       idempotent=True, restart=False)
+    conn.execute("UPDATE runs SET lease_expires_at = 0 WHERE id IN (?, ?)",
+                 (uncertain, idempotent_only))
+    drained, _ = crashed_run(ledger, key, "t.hold")
+    conn.execute("UPDATE runs SET interruption = 'drain' WHERE id = ?", (drained,))
+    resumable, _ = crashed_run(ledger, key, "t.hold_resume")
+    pausable, _ = crashed_run(ledger, key, "t.hold_pause")
+    plain, _ = crashed_run(ledger, key, "t.hold")
+    exhausted, _ = crashed_run(ledger, key, "t.hold_resume")
+    conn.execute("UPDATE runs SET recovery_attempts = 3 WHERE id = ?", (exhausted,))
+    conn.close()
+
+    report = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+
+    assert status(ledger, stopping)[0] == "cancelled"
+    assert status(ledger, uncertain)[:3] == ("paused", 1, "uncertain_side_effect")
+    assert status(ledger, idempotent_only)[:3] == ("interrupted", 1, "owner_lost")
+    assert status(ledger, drained)[:3] == ("queued", 2, "drained")
+    assert status(ledger, resumable)[:3] == ("queued", 2, "owner_lost")
+    assert status(ledger, pausable)[:3] == ("paused", 1, "owner_lost")
+    assert status(ledger, plain)[:3] == ("interrupted", 1, "owner_lost")
+    assert status(ledger, exhausted)[:3] == ("paused", 1, "recovery_budget_exhausted")
+    assert event_types(ledger, resumable)[-1] == "run.requeued"
+    assert event_types(ledger, plain)[-1] == "run.interrupted"
+    assert event_types(ledger, uncertain)[-1] == "run.paused"
+    assert event_types(ledger, stopping)[-1] == "run.cancelled"
+    assert {k: v for k, v in report.counts.items() if v} == {
+        "cancelled": 1, "paused": 3, "interrupted": 2, "requeued": 2}
+    # Re-queued runs go back through the queue: each got a dispatch and a broker message
+    # (the test admitted them without one, so exactly one: recovery's).
+    for rid in (drained, resumable):
+        assert ledger.query("SELECT COUNT(*) FROM broker_messages WHERE run_id = ?",
+                            (rid,))[0][0] == 1
+        assert ledger.query("SELECT reason FROM dispatches WHERE run_id = ? ORDER BY id",
+                            (rid,)) == [("admitted",), ("recovered",)]
+    # Recovery is idempotent: a second pass finds nothing to do.
+    again = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+    assert not {k: v for k, v in again.counts.items() if v and k in
+                ("cancelled", "paused", "interrupted", "requeued")}
+
+
+def test_a_live_lease_is_never_touched(ledger):
+    key = ledger.key()
+    rid, _ = crashed_run(ledger, key, "t.hold", expire=False)
+    reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+    assert status(ledger, rid)[0] == "running"
+
+
+def test_an_earlier_generation_of_this_node_is_dead_at_once(ledger):
+    key = ledger.key()
+    mine, _ = crashed_run(ledger, key, "t.hold", expire=False, generation=1)
+    other_node, _ = crashed_run(ledger, key, "t.hold", expire=False, generation=1,
+                                node="node-b")
+    reconcile.run_pass(settings_for(ledger), generation=2, trigger="boot")
+    assert status(ledger, mine)[0] == "interrupted"
+    assert status(ledger, other_node)[0] == "running", "another node's live lease was taken"
+
+
+def test_a_recovery_that_loses_the_race_to_a_renewing_owner_changes_nothing(ledger):
+    key = ledger.key()
+    rid, owner = crashed_run(ledger, key, "t.hold")
+    conn = ledger.connect()
+    [run] = ledger_recovery.orphaned(conn, node_id="node-a", generation=1, limit=10)
+    conn.execute("UPDATE runs SET lease_expires_at = lease_expires_at + 1 WHERE id = ?", (rid,))
+    with db.transaction(conn):
+        assert ledger_recovery.apply(conn, run, "interrupted", "owner_lost", None) is False
+    conn.close()
+    assert status(ledger, rid)[0] == "running"
+
+
+def test_a_queued_run_whose_message_was_lost_is_republished(ledger):
+    key = ledger.key()
+    rid = admit(ledger, key, "t.hold")
+    conn = ledger.connect()
+    conn.execute("UPDATE runs SET updated_at = updated_at - 3600 WHERE id = ?", (rid,))
+    conn.close()
+    report = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+    assert report.counts["republished"] == 1
+    assert ledger.query("SELECT COUNT(*) FROM broker_messages WHERE run_id = ?", (rid,)) == [(1,)]
+    assert reconcile.run_pass(settings_for(ledger), generation=1,
+                              trigger="command").counts["republished"] == 0
+
+
+def test_retention_runs_inside_recovery(ledger):
+    key = ledger.key()
+    rid = admit(ledger, key, "t.hold")
+    conn = ledger.connect()
+    conn.execute("UPDATE runs SET status = 'completed', finished_at = 0 WHERE id = ?", (rid,))
+    conn.close()
+    report = reconcile.run_pass(settings_for(ledger, run_retention_s=10), generation=1,
+                                trigger="scheduled")
+    assert report.counts["purged"] == 1
+    assert ledger.query("SELECT COUNT(*) FROM run_tombstones WHERE run_id = ?", (rid,)) == [(1,)]
+
+
+def test_the_barrier_opens_only_when_this_boots_recovery_finished(ledger):
+    conn = ledger.connect()
+    assert barrier.is_open(conn, "node-a")  # never booted: nothing to wait for
+    generation = nodes.boot(conn, "node-a")
+    assert not barrier.is_open(conn, "node-a")
+    reconcile.boot(settings_for(ledger), generation)
+    assert barrier.is_open(conn, "node-a")
+    nodes.boot(conn, "node-a")
+    assert not barrier.is_open(conn, "node-a")
+    conn.close()
+
+
+def test_recovery_reports_are_for_admin_keys(make_server, ledger):
+    reconcile.run_pass(settings_for(ledger), generation=0, trigger="command")
+    server = make_server()
+    admin = Api(server, ledger.key(admin=True), ledger)
+    client = Api(server, ledger.key(), ledger)
+    reports = admin.get("/v1/recovery").json()["data"]
+    assert reports[0]["trigger"] == "command" and "counts" in reports[0]
+    assert client.get("/v1/recovery").status_code == 404
+
+
+def test_runstile_recover_is_a_one_shot_pass(ledger):
+    key = ledger.key()
+    rid, _ = crashed_run(ledger, key, "t.hold")
+    out = subprocess.run([sys.executable, "-m", "runstile", "recover", "--json", "--data-dir",
+                          str(ledger.data_dir), "--tasks", "tests.workers.exec_tasks"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "RUNSTILE_NODE_ID": "node-a"})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["counts"] == {"interrupted": 1}
+    assert report["trigger"] == "command"
+    assert status(ledger, rid)[0] == "interrupted"
+    assert ledger.query("SELECT generation FROM nodes WHERE id = 'node-a'") == []
+
+
+# ---------------------------------------------------------------- real processes
+
+def read_log(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_sigkill_of_the_whole_node_then_restart_applies_on_crash_policies(make_system, ledger,
+                                                                          tmp_path):
+    system = make_system(workers=1, threads=4)
+    api = Api(system, ledger.key(), ledger)
+    log = tmp_path / "executions.log"
+    ids = {task: api.post_run({"task": task, "input": {"log": str(log)}}).json()["id"]
+           for task in ("t.hold", "t.hold_resume", "t.hold_pause", "t.side_effect")}
+    wait_until(lambda: sum(l.startswith("start") for l in read_log(log)) == 4
+               and any(l.startswith("charge") for l in read_log(log)), 30, 0.05,
+               "all four bodies running")
+    system.kill(signal.SIGKILL)  # the whole tree, mid-run: no drain, no goodbye
+    assert all(status(ledger, rid)[0] == "running" for rid in ids.values())
+    system.start()  # a new generation: the dead one's leases count as expired at once
+    assert wait_for_status(api, ids["t.hold"], statuses=("interrupted",), timeout_s=10)
+    assert wait_for_status(api, ids["t.hold_pause"], statuses=("paused",))["recovery"][
+        "reason"] == "owner_lost"
+    paused = wait_for_status(api, ids["t.side_effect"], statuses=("paused",))
+    assert paused["recovery"]["reason"] == "uncertain_side_effect"
+    resumed = wait_for_status(api, ids["t.hold_resume"], statuses=("completed",))
+    assert resumed["attempt"] == 2 and resumed["result"] == {"attempt": 2}
+    types = [e["type"] for e in api.get(f"/v1/runs/{ids['t.hold_resume']}/events",
+                                        headers={"Accept": "application/json"}).json()["data"]]
+    assert types.index("run.requeued") < len(types) - 1 - types[::-1].index("run.started")
+    # The uncertain side effect ran once; nothing re-ran it blindly.
+    charges = [l for l in read_log(log) if l.startswith(f"charge {ids['t.side_effect']}")]
+    assert charges == [f"charge {ids['t.side_effect']} 1"]
+    # A person accepts the uncertainty: the step runs again, journaled as a new start.
+    response = api.post(f"/v1/runs/{ids['t.side_effect']}/resume")
+    assert response.status_code == 200 and response.json()["attempt"] == 2
+    done = wait_for_status(api, ids["t.side_effect"], statuses=("completed",))
+    assert done["result"] == {"charged": True}
+    assert ledger.query("SELECT starts, state FROM journal WHERE run_id = ?",
+                        (ids["t.side_effect"],)) == [(2, "completed")]
+    again = api.post(f"/v1/runs/{ids['t.side_effect']}/resume")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "run_not_paused"
+    assert api.post(f"/v1/runs/run_{'0' * 32}/resume").status_code == 404
+
+
+def test_sigterm_drains_within_the_timeout_and_the_next_boot_requeues(make_system, ledger,
+                                                                      tmp_path):
+    system = make_system(workers=1, threads=2, RUNSTILE_DRAIN_TIMEOUT_S="1")
+    api = Api(system, ledger.key(), ledger)
+    log = tmp_path / "executions.log"
+    rid = api.post_run({"task": "t.hold", "input": {"log": str(log), "ticks": 400}}).json()["id"]
+    wait_until(lambda: any(l.startswith("start") for l in read_log(log)), 30, 0.05, "a start")
+    began = time.monotonic()
+    os.killpg(system.proc.pid, signal.SIGTERM)
+    system.proc.wait(timeout=30)
+    assert time.monotonic() - began < 1 + 5, "the tree outlived the drain timeout + 5 s"
+    assert ledger.query("SELECT status, interruption FROM runs WHERE id = ?", (rid,)) == [
+        ("running", "drain")]
+    system.kill()
+    system.start()
+    run = wait_for_status(api, rid, statuses=("running", "completed"), timeout_s=15)
+    assert run["attempt"] == 2 and run["recovery"]["reason"] == "drained"
+    assert [l.split()[2] for l in read_log(log) if l.startswith("start")] == ["1", "2"]
