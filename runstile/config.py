@@ -20,8 +20,9 @@ from .errors import ConfigError
 
 #: The synchronous levels SQLite accepts; FULL is the durable default (SPEC §2.1).
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
-#: Crash points that code may name (DESIGN §3 "crash tests two ways").
-CRASHPOINTS = ("after_admit_commit",)
+#: Crash points that code names (DESIGN §3 "crash tests two ways"); see crashpoints.py.
+CRASHPOINTS = ("after_admit_commit", "after_claim", "after_step_start", "after_body",
+               "mid_recovery")
 
 
 def _positive_int(raw: str) -> int:
@@ -98,8 +99,16 @@ def _allowlist(raw: str) -> tuple[str, ...]:
 
 def _crashpoint(raw: str) -> str | None:
     value = raw.strip() or None
-    if value is not None and value not in CRASHPOINTS:
-        raise ValueError(f"must be one of {', '.join(CRASHPOINTS)}")
+    if value is None:
+        return None
+    name, _, probability = value.partition(":")
+    if name not in CRASHPOINTS:
+        raise ValueError(f"must be NAME or NAME:PROBABILITY with NAME one of "
+                         f"{', '.join(CRASHPOINTS)}")
+    if probability:
+        p = float(probability)
+        if not 0 < p <= 1:
+            raise ValueError("the probability after ':' must be in (0, 1]")
     return value
 
 

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .. import dispatch
+from .. import crashpoints, dispatch
 from ..config import Settings
 from ..ledger import db, migrations, recovery, retention
 from ..workers import registry
@@ -74,6 +74,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                     if recovery.apply(conn, run, klass, reason, enqueue):
                         report.counts[klass] += 1
                         log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
+                    crashpoints.hit(settings, "mid_recovery")
             if len(batch) < BATCH:
                 break
         # 4. Re-publish runs still queued long after dispatch without a live message.

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
 import threading
 import time
 
 from flask import Blueprint, Response, jsonify, request
 
-from .. import dispatch
+from .. import crashpoints, dispatch
 from ..errors import (InvalidRequest, RunNotFound, RunNotPaused, RunstileError,
                       StreamsExhausted)
 from ..ledger import events, execution, runs
@@ -36,12 +34,6 @@ def _authenticate() -> None:
     authenticate()
 
 
-def _crashpoint(name: str) -> None:
-    """Die here, without cleanup, when tests ask for this named crash point."""
-    if state().settings.crashpoint == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @blueprint.post("/v1/runs")
 def create_run():
     started = time.perf_counter()
@@ -54,7 +46,7 @@ def create_run():
                               max_active_runs=settings.max_active_runs,
                               enqueue=dispatch.in_transaction_enqueue(settings),
                               committer=state().committer)
-        _crashpoint("after_admit_commit")
+        crashpoints.hit(settings, "after_admit_commit")
         outcome = "replayed" if admitted.replayed else "created"
     except RunstileError as exc:
         outcome = exc.code

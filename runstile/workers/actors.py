@@ -16,7 +16,7 @@ import time
 
 import dramatiq
 
-from .. import dispatch
+from .. import crashpoints, dispatch
 from ..config import Settings
 from ..errors import LedgerUnavailable, RunstileError
 from ..ledger import execution
@@ -61,6 +61,7 @@ class Executor:
             self.broker.enqueue(dispatch.message_for(run_id, dispatch_id),
                                 delay=CLAIM_RETRY_DELAY_MS)
             return
+        crashpoints.hit(self.settings, "after_claim")
         if claim.run is None:
             log.info("run %s: claim lost (%s); message acknowledged as a no-op (dispatch %s)",
                      run_id, claim.outcome, dispatch_id)
@@ -74,7 +75,9 @@ class Executor:
         try:
             try:
                 ctx = RunContext(run, owner, conn, stop_requested=lambda: item.stop_requested,
-                                 lease_lost=lambda: item.lost)
+                                 lease_lost=lambda: item.lost,
+                                 on_step_started=lambda: crashpoints.hit(self.settings,
+                                                                         "after_step_start"))
                 value = self._call(spec, ctx, json.loads(run["input"]))
                 outcome = self._completed(value)
             except Interrupt:
@@ -97,6 +100,7 @@ class Executor:
             self.executions.end(item)
         if not still_ours:
             return
+        crashpoints.hit(self.settings, "after_body")
         finished = self._finish(run["id"], owner, outcome)
         if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",

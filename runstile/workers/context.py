@@ -65,7 +65,8 @@ class RunContext:
 
     def __init__(self, run: dict, owner: Owner, conn: sqlite3.Connection, *,
                  stop_requested: Callable[[], bool] = lambda: False,
-                 lease_lost: Callable[[], bool] = lambda: False) -> None:
+                 lease_lost: Callable[[], bool] = lambda: False,
+                 on_step_started: Callable[[], None] = lambda: None) -> None:
         self.run_id: str = run["id"]
         self.attempt: int = run["attempt"]
         self.session_key: str | None = run["session_key"]
@@ -75,6 +76,7 @@ class RunContext:
         self._conn = conn
         self._stop_requested = stop_requested
         self._lease_lost = lease_lost
+        self._on_step_started = on_step_started
         self._journal = journal.entries(conn, self.run_id)
         self._position = 0
 
@@ -162,6 +164,7 @@ class RunContext:
                                restart=entry is not None)
         except LeaseLost:
             raise LeaseLostInterrupt(self.run_id) from None
+        self._on_step_started()
         try:
             result = fn(*args, **kwargs)
             result_json = json.dumps(result, separators=(",", ":"))

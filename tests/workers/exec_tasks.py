@@ -145,3 +145,25 @@ def side_effect(ctx, input):
         return {"charged": True}
 
     return ctx.step("charge", charge_card)
+
+
+def _one_side_effect(ctx, input):
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+
+    def send_email():
+        log_line(input["log"], f"call {ctx.run_id} {ctx.attempt}")
+        return "sent"
+
+    sent = ctx.step("send_email", send_email)
+    log_line(input["log"], f"end {ctx.run_id} {ctx.attempt}")
+    return {"sent": sent}
+
+
+@runstile.task("t.crash_default")
+def crash_default(ctx, input):
+    return _one_side_effect(ctx, input)
+
+
+@runstile.task("t.crash_resume", on_crash="resume")
+def crash_resume(ctx, input):
+    return _one_side_effect(ctx, input)
