@@ -1,13 +1,22 @@
-"""``make bench``: the admission benchmark of issue 2 (see bench/README.md).
+"""``make bench``: the benchmarks of issues 2 and 3 (see bench/README.md), in one run.
 
-Measures, one after another in the same run: (a) runstile's POST /v1/runs, (b) a minimal
-durable Flask+SQLite baseline under the same gunicorn setup, (c) the raw SQLite
-durable-commit rate.  Prints one table with ratios, saves it as JSON under
-bench/results/, and exits 1 if runstile is below the issue-2 floor (0.8 x baseline) or
-if any request failed.
+Section 1, admission (issue 2), one after another: (a) runstile's POST /v1/runs,
+(b) a minimal durable Flask+SQLite baseline under the same gunicorn setup, (c) the raw
+SQLite durable-commit rate.  Floor: runstile >= 0.8 x baseline, and no failed request.
 
-Environment: BENCH_SECONDS (default 10), BENCH_WARMUP (2), BENCH_CLIENT_PROCESSES (4),
-BENCH_CLIENT_THREADS (4), BENCH_KEEP=1 keeps the temporary data directories.
+Section 2, execution (issue 3), one after another: ``runstile up`` end to end, DBOS on
+SQLite (as DBOS sets it up, and in WAL mode), bare Dramatiq on Redis.  Runs/s from the
+first submission until every run completed, and idle submit -> start latency.  Floor:
+runstile >= 1.0 x DBOS on SQLite (the faster DBOS variant).
+
+Each section prints one table with ratios measured in this run and saves JSON under
+bench/results/.  The exit code is 1 if any floor fails, cannot be measured, or a run is
+invalid.
+
+Environment: BENCH_ONLY (admission | execution; both when unset), BENCH_SECONDS (10),
+BENCH_WARMUP (2), BENCH_CLIENT_PROCESSES (4), BENCH_CLIENT_THREADS (4), BENCH_E2E_RUNS
+(2000), BENCH_LATENCY_RUNS (50), BENCH_EXEC_TARGETS, ... (all in bench/README.md);
+BENCH_KEEP=1 keeps the temporary data directories.
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import admission  # noqa: E402
+from bench import admission, execution  # noqa: E402
 
 FLOOR = 0.8          # issue 2: runstile >= 0.8 x baseline (b)
+EXEC_FLOOR = 1.0     # issue 3: runstile end to end >= 1.0 x DBOS on SQLite
+START_AIM_MS = 20.0  # issue 3 aims at an idle submit -> start p50 <= 20 ms
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -98,9 +109,8 @@ def print_table(report: dict) -> None:
     print(f"saved {report['saved_to']}")
 
 
-def main() -> int:
-    # A SIGTERM (e.g. from make or CI) unwinds like Ctrl-C so every server is killed.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+def admission_section() -> bool:
+    """Issue 2's benchmark; True when its floor passed on a valid run."""
     cfg = admission.Settings.from_env()
     print(f"bench: {cfg.duration_s:g} s per target after {cfg.warmup_s:g} s warm-up "
           "(override with BENCH_SECONDS / BENCH_WARMUP)", flush=True)
@@ -160,7 +170,195 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
-    return 0 if passed and valid else 1
+    return passed and valid
+
+
+def main() -> int:
+    # A SIGTERM (e.g. from make or CI) unwinds like Ctrl-C so every server is killed.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    only = os.environ.get("BENCH_ONLY", "").strip()
+    if only not in ("", "admission", "execution"):
+        print("BENCH_ONLY must be 'admission' or 'execution'", file=sys.stderr)
+        return 2
+    verdicts = {}
+    if only in ("", "admission"):
+        print("== admission benchmark (issue 2) ==", flush=True)
+        verdicts["admission (issue 2)"] = admission_section()
+    if only in ("", "execution"):
+        print("\n== execution benchmark (issue 3) ==", flush=True)
+        verdicts["execution (issue 3)"] = execution_section()
+    print()
+    for name, ok in verdicts.items():
+        print(f"bench: {name}: {'PASS' if ok else 'NOT PASSED'}")
+    return 0 if all(verdicts.values()) else 1
+
+
+# ------------------------------------------------------------------ execution (issue 3)
+
+EXEC_LABELS = {
+    "runstile": "(a) runstile up (HTTP + SQLite ledger)",
+    "dbos": "(b) DBOS, SQLite as DBOS sets it",
+    "dbos-wal": "(c) DBOS, SQLite WAL sync=FULL",
+    "dramatiq-redis": "(d) Dramatiq + Redis (not durable)",
+}
+
+
+def _exec_row(r: execution.TargetResult) -> dict:
+    pct = execution.percentile
+    return {
+        "target": r.name,
+        "measured": r.measured,
+        "valid": r.valid,
+        "problem": r.reason,
+        "runs": r.runs,
+        "accepted": r.accepted,
+        "completed": r.completed,
+        "errors": sum(r.errors.values()),
+        "error_kinds": r.errors,
+        "runs_per_s": _round(r.runs_per_s, 1),
+        "submit_per_s": _round(r.submit_per_s, 1),
+        "seconds_to_all_completed": _round(r.total_s, 3),
+        "start_p50_ms": _round(pct(r.latencies_ms, 50)),
+        "start_p95_ms": _round(pct(r.latencies_ms, 95)),
+        "start_max_ms": _round(max(r.latencies_ms) if r.latencies_ms else None),
+        "latency_samples": len(r.latencies_ms),
+        "latency_missing": r.latency_missing,
+        "ledger_start_p50_ms": _round(pct(r.ledger_latency_ms, 50)),
+        "ledger_start_p95_ms": _round(pct(r.ledger_latency_ms, 95)),
+        "server_cpu_ms_per_run": _round(1000 * r.server_cpu_s / r.completed)
+        if r.server_cpu_s is not None and r.completed else None,
+        "config": r.config,
+    }
+
+
+def print_exec_table(report: dict) -> None:
+    cfg = report["config"]
+    rows = {row["target"]: row for row in report["targets"]}
+    print()
+    print(f"execution benchmark — {cfg['runs']} no-op runs per target from {cfg['clients']} "
+          f"closed-loop clients ({cfg['client_processes']} processes x "
+          f"{cfg['client_threads']} threads); workers {cfg['workers']}; idle start latency "
+          f"over {cfg['latency_runs']} sequential runs {cfg['latency_gap_ms']:g} ms apart; "
+          f"{cfg['cpus']} CPUs")
+    header = (f"{'target':<38} {'runs/s':>8} {'submit/s':>9} {'start p50 ms':>13} "
+              f"{'start p95 ms':>13} {'srv CPU ms/run':>15}")
+    print(header)
+    print("-" * len(header))
+    for name, label in EXEC_LABELS.items():
+        row = rows.get(name)
+        if row is None:
+            print(f"{label:<38} {'(skipped: BENCH_EXEC_TARGETS)':>30}")
+        elif not row["measured"]:
+            print(f"{label:<38} NOT MEASURED: {row['problem']}")
+        else:
+            print(f"{label:<38} {_fmt(row['runs_per_s']):>8} {_fmt(row['submit_per_s']):>9} "
+                  f"{_fmt(row['start_p50_ms'], '.1f'):>13} {_fmt(row['start_p95_ms'], '.1f'):>13} "
+                  f"{_fmt(row['server_cpu_ms_per_run'], '.2f'):>15}")
+    print("-" * len(header))
+    ratios = report["ratios"]
+    for key, label in (("runstile_over_dbos", "runstile / DBOS (runs/s)"),
+                       ("runstile_over_dbos_wal", "runstile / DBOS WAL (runs/s)"),
+                       ("runstile_over_dramatiq_redis", "runstile / Dramatiq-redis (runs/s)"),
+                       ("start_p50_runstile_over_dbos", "runstile / DBOS (start p50)"),
+                       ("start_p50_runstile_over_dramatiq_redis",
+                        "runstile / Dramatiq-redis (start p50)")):
+        print(f"{label:<38} {_fmt(ratios.get(key), '.3f')}")
+    rs = rows.get("runstile")
+    if rs and rs["measured"]:
+        print(f"runstile ledger started_at - created_at: p50 "
+              f"{_fmt(rs['ledger_start_p50_ms'], '.1f')} ms, p95 "
+              f"{_fmt(rs['ledger_start_p95_ms'], '.1f')} ms (admission commit -> claim)")
+    for row in report["targets"]:
+        if row["measured"]:
+            check = "ok" if row["valid"] else f"INVALID ({row['problem']})"
+            print(f"check {row['target']}: {row['completed']} of {row['runs']} runs completed, "
+                  f"{row['errors']} failed submissions, {row['latency_samples']} latency "
+                  f"samples -> {check}")
+    floor, aim = report["floor"], report["aim"]
+    print(f"floor (issue 3): {floor['rule']}: {floor['detail']} -> {floor['verdict']}")
+    print(f"aim (issue 3): {aim['rule']}: {aim['detail']} -> {aim['verdict']}")
+    print(f"saved {report['saved_to']}")
+
+
+def execution_section() -> bool:
+    """Issue 3's benchmark; True when its floor passed on valid, measured runs."""
+    cfg = execution.ExecSettings.from_env()
+    print(f"bench: {cfg.runs} runs per target, idle latency over {cfg.latency_runs} runs "
+          "(override with BENCH_E2E_RUNS / BENCH_LATENCY_RUNS / BENCH_EXEC_TARGETS)",
+          flush=True)
+    results = execution.run_all(cfg, log=lambda line: print(line, flush=True))
+    by_name = {r.name: r for r in results}
+    rows = [_exec_row(r) for r in results]
+
+    def rate(name: str) -> float | None:
+        r = by_name.get(name)
+        return r.runs_per_s if r is not None and r.measured and r.valid else None
+
+    def p50(name: str) -> float | None:
+        r = by_name.get(name)
+        return execution.percentile(r.latencies_ms, 50) if r is not None and r.measured else None
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    rs = by_name.get("runstile")
+    dbos_rates = {n: rate(n) for n in ("dbos", "dbos-wal") if rate(n) is not None}
+    rs_rate = rate("runstile")
+    rule = f"runstile runs/s >= {EXEC_FLOOR} x DBOS on SQLite (the faster DBOS variant)"
+    if rs is None or not rs.measured:
+        verdict, detail, passed = "NOT MEASURED", "runstile was not measured" + (
+            f" ({rs.reason})" if rs is not None and rs.reason else ""), False
+    elif not rs.valid:
+        verdict, detail, passed = "FAIL (INVALID)", f"runstile run invalid: {rs.reason}", False
+    elif not dbos_rates:
+        why = "; ".join(f"{n}: {by_name[n].reason}" for n in ("dbos", "dbos-wal")
+                        if n in by_name) or "no DBOS target selected"
+        verdict, detail, passed = "NOT MEASURED", f"no valid DBOS measurement ({why})", False
+    else:
+        best_name = max(dbos_rates, key=dbos_rates.get)
+        best = dbos_rates[best_name]
+        r = ratio(rs_rate, best)
+        passed = r is not None and r >= EXEC_FLOOR
+        verdict = "PASS" if passed else "FAIL"
+        detail = f"{rs_rate:.1f} / {best:.1f} ({best_name}) = {r:.3f}"
+    rs_p50 = p50("runstile")
+    aim = {"rule": f"runstile idle start p50 <= {START_AIM_MS:g} ms",
+           "detail": f"{rs_p50:.1f} ms" if rs_p50 is not None else "not measured",
+           "verdict": "not measured" if rs_p50 is None
+           else ("met" if rs_p50 <= START_AIM_MS else "missed (not a floor)")}
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"execution-{stamp}.json"
+    report = {
+        "benchmark": "execution (issue 3)",
+        "time": stamp,
+        "config": {"runs": cfg.runs, "latency_runs": cfg.latency_runs,
+                   "latency_gap_ms": cfg.latency_gap_s * 1000,
+                   "warmup_runs": cfg.warmup_runs,
+                   "client_processes": cfg.processes, "client_threads": cfg.threads,
+                   "clients": cfg.processes * cfg.threads,
+                   "workers": f"{execution.WORKER_PROCESSES} processes x "
+                              f"{execution.WORKER_THREADS} threads",
+                   "dbos_polling_interval_s": cfg.dbos_poll_s,
+                   "cpus": os.cpu_count(), "python": platform.python_version(),
+                   "sqlite": sqlite3.sqlite_version, "platform": platform.platform()},
+        "targets": rows,
+        "ratios": {
+            "runstile_over_dbos": ratio(rs_rate, rate("dbos")),
+            "runstile_over_dbos_wal": ratio(rs_rate, rate("dbos-wal")),
+            "runstile_over_dramatiq_redis": ratio(rs_rate, rate("dramatiq-redis")),
+            "start_p50_runstile_over_dbos": ratio(rs_p50, p50("dbos")),
+            "start_p50_runstile_over_dramatiq_redis": ratio(rs_p50, p50("dramatiq-redis")),
+        },
+        "floor": {"rule": rule, "passed": passed, "verdict": verdict, "detail": detail},
+        "aim": aim,
+        "saved_to": str(out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out),
+    }
+    text = json.dumps(report, indent=2) + "\n"
+    out.write_text(text)
+    (RESULTS / "latest-execution.json").write_text(text)
+    print_exec_table(report)
+    return passed
 
 
 if __name__ == "__main__":
