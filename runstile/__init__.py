@@ -6,7 +6,8 @@ and every error derives from ``RunstileError``.
 
 from .config import Settings
 from .errors import RunstileError
+from .workers.context import RunContext, Stopped
 from .workers.registry import task
 
-__all__ = ["Settings", "RunstileError", "task"]
+__all__ = ["RunContext", "RunstileError", "Settings", "Stopped", "task"]
 __version__ = "0.1.0"

@@ -234,7 +234,7 @@ def _host_port(settings: Settings, host: str | None, port: int | None) -> Settin
 @click.option("--web-workers", type=click.IntRange(1, 64), default=None,
               help="Web processes [default 2].")
 @click.option("--threads", "web_threads", type=click.IntRange(1, 256), default=None,
-              help="Threads per web process [default 8].")
+              help="Threads per web process [env RUNSTILE_WEB_THREADS; default 16].")
 def serve(settings, host, port, web_workers, web_threads):
     """Serve the HTTP API (gunicorn, gthread workers)."""
     settings = _host_port(settings, host, port).replace(

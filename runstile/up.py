@@ -86,6 +86,7 @@ class Supervisor:
         if secret:
             click.echo("bootstrap admin key for profile 'default' (shown once, keep it):")
             click.echo(f"  {secret}")
+        if secret and registry.get("chat") is not None:
             click.echo(f"try: curl -s -X POST http://{host}:{self.settings.port}/v1/runs "
                        f"-H 'Authorization: Bearer {secret}' -H 'Content-Type: application/json' "
                        "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
@@ -123,7 +124,14 @@ class Supervisor:
             # The web starts first and answers /readyz 503 until the barrier opens; no
             # worker process exists before this boot's recovery has finished.
             self._start(self.plan_web())
-            reconcile.boot(self.settings, generation)
+            try:
+                reconcile.boot(self.settings, generation)
+            except Exception as exc:
+                # No worker may start without this boot's recovery; stop what runs.
+                click.echo(f"runstile: boot recovery failed: {exc}", err=True)
+                self._on_signal(signal.SIGTERM, None)
+                self._watch()
+                return 1
             if self.stopping:
                 return self._watch()
             self._start(self.plan_workers(generation))

@@ -62,12 +62,14 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
             failed = conn.execute(
                 "UPDATE runs SET status = 'failed', error_code = 'unknown_task', "
                 "error_message = ?, finished_at = " + NOW + ", updated_at = " + NOW + " "
-                "WHERE id = ? AND status = 'queued' RETURNING id",
+                "WHERE id = ? AND status = 'queued' RETURNING id, attempt",
                 (f"no task named {row['task']!r} is registered on this worker", run_id),
             ).fetchone()
             if failed is not None:
-                events.append(conn, run_id, "run.failed",
-                              {"error": {"code": "unknown_task"}})
+                events.append(conn, run_id, "run.failed", {
+                    "attempt": failed["attempt"],
+                    "error": {"code": "unknown_task",
+                              "message": f"no task named {row['task']!r} is registered"}})
             return Claim(None, "unknown_task")
         run = conn.execute(
             "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
@@ -84,18 +86,23 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
 
 
 def heartbeat(conn: sqlite3.Connection, node: str, generation: int, pid: int,
-              lease_s: float) -> set[str]:
-    """Renew every live lease this process holds, in one UPDATE; return the renewed ids.
+              lease_s: float, run_ids: list[str]) -> set[str]:
+    """Renew, in one UPDATE, the live leases this process holds on the runs whose bodies
+    it is executing right now (``run_ids``); return the renewed ids.
 
-    A lease that already expired is not renewed: recovery may have handed the run on,
-    so the holder must treat it as lost rather than resurrect it.
+    Only executing runs: a run whose body thread is gone without an outcome must lapse
+    so recovery can judge it.  A lease that already expired is not renewed: recovery
+    may have handed the run on, so the holder must treat it as lost, not resurrect it.
     """
+    if not run_ids:
+        return set()
+    marks = ", ".join("?" for _ in run_ids)
     with db.transaction(conn):
         rows = conn.execute(
-            f"UPDATE runs SET lease_expires_at = {NOW} + ? WHERE owner_node = ? AND "
-            "owner_generation = ? AND owner_pid = ? AND status IN ('running', 'stopping') "
-            f"AND lease_expires_at > {NOW} RETURNING id",
-            (lease_s, node, generation, pid)).fetchall()
+            f"UPDATE runs SET lease_expires_at = {NOW} + ? WHERE id IN ({marks}) AND "
+            "owner_node = ? AND owner_generation = ? AND owner_pid = ? AND "
+            f"status IN ('running', 'stopping') AND lease_expires_at > {NOW} RETURNING id",
+            (lease_s, *run_ids, node, generation, pid)).fetchall()
     return {row[0] for row in rows}
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import crashpoints, dispatch
 from ..config import Settings
-from ..ledger import db, migrations, recovery, retention
+from ..ledger import broker_queue, db, migrations, recovery, retention
 from ..workers import registry
 
 log = logging.getLogger("runstile.recovery")
@@ -98,6 +98,8 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
             report.counts["tombstones_expired"] += purged.tombstones
             if purged.runs < BATCH:
                 break
+        report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
+            conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
         # 7. Record the report (the barrier is opened by the caller).
         report.duration_s = time.monotonic() - started
         report.report_id = recovery.record_report(

@@ -82,9 +82,11 @@ class Executor:
                 outcome = self._completed(value)
             except Interrupt:
                 raise
-            except Exception as exc:  # the task's own failure: recorded, never re-raised
+            except BaseException as exc:  # the task's own failure: recorded, not re-raised
+                # SystemExit from a body is a failure of that run, not of the worker.
                 # runstile's own errors (invalid_event, ...) keep their stable code;
                 # anything else the task raised is task_error with its class and text.
+                log.warning("run %s: task %s raised", run["id"], run["task"], exc_info=True)
                 code = exc.code if isinstance(exc, RunstileError) else "task_error"
                 outcome = {"status": "failed", "error_code": code,
                            "error_message": f"{type(exc).__name__}: {exc}"[:2000]}

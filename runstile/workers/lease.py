@@ -106,9 +106,12 @@ class LeaseKeeper(threading.Thread):
 
     def beat(self) -> None:
         began = time.monotonic()
+        executing = [item.run_id for item in self.executions.snapshot()]
+        if not executing:
+            return  # nothing held: an idle worker writes nothing
         try:
             renewed = execution.heartbeat(self.pool.get(), self.node, self.generation,
-                                          self.pid, self.settings.lease_s)
+                                          self.pid, self.settings.lease_s, executing)
         except RunstileError as exc:
             log.warning("heartbeat failed (leases may lapse): %s", exc.message)
             self.pool.discard()

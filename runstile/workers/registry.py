@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -71,7 +73,14 @@ def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "inter
 
 
 def load(modules: tuple[str, ...]) -> dict[str, TaskSpec]:
-    """Import the task modules and return the registry (name -> spec)."""
+    """Import the task modules and return the registry (name -> spec).
+
+    The working directory is importable, as with ``python -m`` and Dramatiq's CLI: a
+    console script's sys.path holds only its own folder, so ``runstile up --tasks
+    mytasks`` beside ``mytasks.py`` would otherwise fail in the supervisor alone.
+    """
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     for module in modules:
         try:
             importlib.import_module(module)

@@ -61,7 +61,7 @@ def test_killing_recovery_again_and_again_converges_to_one_clean_pass(tmp_path):
     seeded = Ledger(tmp_path / "seeded")
     migrations.migrate(seeded.path)
     key = seeded.key()
-    for i in range(600):  # three batches: each attempt at one is killed with p ~ 0.87
+    for i in range(600):  # three batches; an attempt at one survives 200 draws at p=0.02 only 2% of the time
         crashed_run(seeded, key, ("t.hold", "t.hold_resume", "t.hold_pause")[i % 3])
     reference = Ledger(tmp_path / "reference")
     reference.data_dir.mkdir()
@@ -78,7 +78,7 @@ def test_killing_recovery_again_and_again_converges_to_one_clean_pass(tmp_path):
 
     killed = 0
     for _ in range(60):
-        if recover(seeded, "mid_recovery:0.01") == -9:
+        if recover(seeded, "mid_recovery:0.02") == -9:
             killed += 1
         if killed >= 10:
             break

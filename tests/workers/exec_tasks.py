@@ -167,3 +167,9 @@ def crash_default(ctx, input):
 @runstile.task("t.crash_resume", on_crash="resume")
 def crash_resume(ctx, input):
     return _one_side_effect(ctx, input)
+
+
+@runstile.task("t.exit")
+def exits(ctx, input):
+    import sys
+    sys.exit(3)

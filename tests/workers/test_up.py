@@ -86,3 +86,31 @@ def test_the_bootstrap_key_is_printed_only_on_first_start(tmp_path):
         os.killpg(second.pid, signal.SIGTERM)
         out = second.communicate(timeout=40)[0].decode()
     assert "rsk_" not in out
+
+
+def test_up_from_the_console_script_loads_a_task_module_beside_it(tmp_path):
+    (tmp_path / "mytasks.py").write_text(
+        "import runstile\n\n@runstile.task('mine.hello')\ndef hello(ctx, input):\n"
+        "    return {'hello': input}\n")
+    port = free_port()
+    script = os.path.join(os.path.dirname(sys.executable), "runstile")
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen([script, "up", "--data-dir", str(tmp_path / "data"), "--port",
+                             str(port), "--workers", "1", "--web-workers", "1", "--tasks",
+                             "mytasks"], cwd=tmp_path, stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        key = wait_until(lambda: re.search(r"rsk_[0-9a-f]{16}_[A-Za-z0-9_-]{43}",
+                                           log.read_text()), 30, 0.05, "the key")[0]
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _ready(url), 30, 0.05, "readiness")
+        headers = {"Authorization": f"Bearer {key}"}
+        run = requests.post(url + "/v1/runs", json={"task": "mine.hello", "input": 1},
+                            headers=headers, timeout=10).json()
+        done = wait_until(lambda: (lambda r: r if r["status"] == "completed" else None)(
+            requests.get(url + f"/v1/runs/{run['id']}", headers=headers, timeout=10).json()),
+            30, 0.05, "the run")
+        assert done["result"] == {"hello": 1}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=40)
