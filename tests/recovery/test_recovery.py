@@ -234,6 +234,15 @@ def test_sigkill_of_the_whole_node_then_restart_applies_on_crash_policies(make_s
     assert paused["recovery"]["reason"] == "uncertain_side_effect"
     resumed = wait_for_status(api, ids["t.hold_resume"], statuses=("completed",))
     assert resumed["attempt"] == 2 and resumed["result"] == {"attempt": 2}
+    # The barrier, from the recorded history: the new generation's boot recovery ended
+    # before any of its workers started a body.
+    [(generation, recovered_at)] = ledger.query(
+        "SELECT generation, finished_at FROM recovery_reports WHERE trigger = 'boot' "
+        "ORDER BY id DESC LIMIT 1")
+    starts = [created for data, created in ledger.query(
+        "SELECT data, created_at FROM events WHERE type = 'run.started'")
+        if json.loads(data)["owner"]["generation"] == generation]
+    assert generation == 2 and starts and recovered_at <= min(starts)
     types = [e["type"] for e in api.get(f"/v1/runs/{ids['t.hold_resume']}/events",
                                         headers={"Accept": "application/json"}).json()["data"]]
     assert types.index("run.requeued") < len(types) - 1 - types[::-1].index("run.started")
