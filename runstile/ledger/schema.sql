@@ -180,7 +180,7 @@ CREATE INDEX run_tombstones_expiry ON run_tombstones (expires_at);
 -- until a broker accepted the message (the embedded broker sets it in that same
 -- transaction); recovery re-publishes rows left unsent (SPEC §5, §6.2).
 CREATE TABLE dispatches (
-    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    id         INTEGER PRIMARY KEY,                     -- never reused while the run lives
     run_id     TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     attempt    INTEGER NOT NULL,
     reason     TEXT NOT NULL,

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 
 from gunicorn.app.base import BaseApplication
 
 from ..config import Settings
-
-#: Seconds a thread may hold the GIL before another is let in (CPython default 0.005).
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def _bind(settings: Settings) -> str:
@@ -53,11 +49,6 @@ class _Gunicorn(BaseApplication):
 
     def load(self):
         from . import create_app
-        # The thread holding the ledger's write lock releases the GIL during every SQLite
-        # call and must win it back from up to web_threads request threads; at the
-        # default 5 ms switch interval each of its statements can wait that long, which
-        # stretches every write transaction (and everyone queued behind it) several-fold.
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         return create_app(self.settings)
 
 
