@@ -181,6 +181,13 @@ class NodeLocked(RunstileError):
     status = 500
 
 
+class RunStopping(RunstileError):
+    """Raised when a worker's journaled call meets a stop request for its run."""
+
+    code = "run_stopping"
+    status = 409
+
+
 class LeaseLost(RunstileError):
     """Raised when a worker no longer holds the lease on the run it is executing."""
 

@@ -86,49 +86,96 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
 
 
 def heartbeat(conn: sqlite3.Connection, node: str, generation: int, pid: int,
-              lease_s: float, run_ids: list[str]) -> set[str]:
+              lease_s: float, run_ids: list[str]) -> dict[str, str]:
     """Renew, in one UPDATE, the live leases this process holds on the runs whose bodies
     it is executing right now (``run_ids``); return the renewed ids.
 
     Only executing runs: a run whose body thread is gone without an outcome must lapse
     so recovery can judge it.  A lease that already expired is not renewed: recovery
     may have handed the run on, so the holder must treat it as lost, not resurrect it.
+    Returns run id -> status, so the holder also learns of stop requests.
     """
     if not run_ids:
-        return set()
+        return {}
     marks = ", ".join("?" for _ in run_ids)
     with db.transaction(conn):
         rows = conn.execute(
             f"UPDATE runs SET lease_expires_at = {NOW} + ? WHERE id IN ({marks}) AND "
             "owner_node = ? AND owner_generation = ? AND owner_pid = ? AND "
-            f"status IN ('running', 'stopping') AND lease_expires_at > {NOW} RETURNING id",
-            (lease_s, *run_ids, node, generation, pid)).fetchall()
-    return {row[0] for row in rows}
+            f"status IN ('running', 'stopping') AND lease_expires_at > {NOW} "
+            "RETURNING id, status", (lease_s, *run_ids, node, generation, pid)).fetchall()
+    return {row[0]: row[1] for row in rows}
 
 
 def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
            result_json: str | None = None, error_code: str | None = None,
            error_message: str | None = None) -> dict | None:
-    """running -> completed | failed, only for the current owner with a live lease.
+    """running -> completed | failed (or stopping -> cancelled), only for the current
+    owner with a live lease.
 
+    A stop that arrived while the body ran wins over its outcome: a ``stopping`` run
+    ends ``cancelled`` whatever the body returned (SPEC §3.4), keeping no result.
     Returns the finished run, or None when the caller no longer owns the run (a stale
     owner can never record an outcome).
     """
-    assert status in ("completed", "failed")
+    assert status in ("completed", "failed", "cancelled")
     with db.transaction(conn):
         run = conn.execute(
-            f"UPDATE runs SET status = ?, result = ?, error_code = ?, error_message = ?, "
+            "UPDATE runs SET status = CASE status WHEN 'stopping' THEN 'cancelled' ELSE ? END, "
+            "result = CASE status WHEN 'stopping' THEN NULL ELSE ? END, "
+            "error_code = CASE status WHEN 'stopping' THEN NULL ELSE ? END, "
+            "error_message = CASE status WHEN 'stopping' THEN NULL ELSE ? END, "
             f"finished_at = {NOW}, updated_at = {NOW}, lease_expires_at = NULL "
-            f"WHERE id = ? AND status = 'running' AND {_OWNED} RETURNING *",
+            f"WHERE id = ? AND status IN ('running', 'stopping') AND {_OWNED} RETURNING *",
             (status, result_json, error_code, error_message, run_id, *_owner_args(owner)),
         ).fetchone()
         if run is None:
             return None
         data: dict = {"attempt": run["attempt"]}
-        if error_code is not None:
+        if run["status"] == "cancelled":
+            data["reason"] = "stopped"
+        elif error_code is not None:
             data["error"] = {"code": error_code, "message": error_message}
-        events.append(conn, run_id, f"run.{status}", data)
+        events.append(conn, run_id, f"run.{run['status']}", data)
         return dict(run)
+
+
+def stop(conn: sqlite3.Connection, run_id: str) -> tuple[dict, bool] | None:
+    """SPEC §3.4 stop, bound to this run: (run, settled_now).
+
+    queued / paused / waiting_for_approval -> cancelled at once (settled: 200);
+    running -> stopping (the body sees it at its next emit/checkpoint/step: 202);
+    stopping stays stopping (202); terminal stays as it is (200).  Guarded on the
+    status read, inside the write lock, so a concurrent claim is ordered before or
+    after: a claimed run becomes stopping, an unclaimed one never starts.
+    """
+    with db.transaction(conn):
+        row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        status = row[0]
+        if status in ("queued", "paused", "waiting_for_approval"):
+            run = conn.execute(
+                f"UPDATE runs SET status = 'cancelled', finished_at = {NOW}, updated_at = {NOW}, "
+                "owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
+                "owner_thread = NULL, lease_expires_at = NULL WHERE id = ? AND status = ? "
+                "RETURNING *", (run_id, status)).fetchone()
+            events.append(conn, run_id, "run.cancelled", {"reason": "stopped", "was": status})
+            return dict(run), True
+        if status == "running":
+            run = conn.execute(f"UPDATE runs SET status = 'stopping', updated_at = {NOW} "
+                               "WHERE id = ? AND status = 'running' RETURNING *",
+                               (run_id,)).fetchone()
+            events.append(conn, run_id, "run.stopping", {})
+            return dict(run), False
+        run = dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+        return run, status != "stopping"
+
+
+def is_stopping(conn: sqlite3.Connection, run_id: str) -> bool:
+    with db.ledger_errors():
+        row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+    return row is not None and row[0] == "stopping"
 
 
 def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str) -> dict | None:

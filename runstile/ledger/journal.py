@@ -11,7 +11,7 @@ import json
 import sqlite3
 from dataclasses import dataclass
 
-from ..errors import LeaseLost
+from ..errors import LeaseLost, RunStopping
 from . import db, events
 from .db import NOW
 from .execution import Owner, owns
@@ -37,9 +37,12 @@ def entries(conn: sqlite3.Connection, run_id: str) -> dict[int, Entry]:
 
 
 def _fence(conn, run_id: str, owner: Owner) -> dict:
+    """Prove ownership (and no pending stop) inside the caller's transaction."""
     run = owns(conn, run_id, owner)
     if run is None:
         raise LeaseLost(f"run {run_id} is no longer owned by this worker")
+    if run["status"] == "stopping":
+        raise RunStopping(f"run {run_id} was asked to stop")
     return run
 
 

@@ -180,6 +180,17 @@ def document() -> dict:
                     },
                 },
             },
+            "/v1/runs/{run_id}/stop": {
+                "post": {
+                    "operationId": "stopRun",
+                    "summary": "Stop this run: cancelled at once if not running (200), "
+                               "stopping while its body is asked to stop (202)",
+                    "parameters": [_RUN_ID_PARAM],
+                    "responses": {"200": _json("Run", "cancelled now, or already terminal"),
+                                  "202": _json("Run", "stopping: the body is being stopped"),
+                                  "404": _error("run_not_found"), **_AUTH_ERRORS},
+                },
+            },
             "/v1/runs/{run_id}/resume": {
                 "post": {
                     "operationId": "resumeRun",

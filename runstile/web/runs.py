@@ -69,6 +69,20 @@ def visible_run(run_id: str) -> dict:
     return run
 
 
+@blueprint.post("/v1/runs/<run_id>/stop")
+def stop_run(run_id: str):
+    """SPEC §3.4: 200 when the run is settled (cancelled now, or already terminal), 202
+    while a running body is being stopped.  Repeats are harmless."""
+    visible_run(run_id)
+    stopped = execution.stop(conn(), run_id)
+    if stopped is None:
+        raise RunNotFound("no such run")
+    run, settled = stopped
+    response = jsonify(run_object(run))
+    response.status_code = 200 if settled else 202
+    return response
+
+
 @blueprint.post("/v1/runs/<run_id>/resume")
 def resume_run(run_id: str):
     """SPEC §3.4: a person accepts the uncertainty of a paused run; it runs again."""

@@ -80,6 +80,10 @@ class Executor:
                                                                          "after_step_start"))
                 value = self._call(spec, ctx, json.loads(run["input"]))
                 outcome = self._completed(value)
+            except Stopped:
+                # The stop was seen (or its grace ran out): the run ends cancelled.
+                outcome = {"status": "cancelled"}
+                log.info("run %s: body stopped on request", run["id"])
             except Interrupt:
                 raise
             except BaseException as exc:  # the task's own failure: recorded, not re-raised
@@ -96,8 +100,8 @@ class Executor:
             log.info("run %s: body unwound (%s)", run["id"], type(exc).__name__)
             return
         except Stopped:
-            log.info("run %s: body stopped on request", run["id"])
-            return
+            # The grace interrupt landed after the body had already returned: still a stop.
+            outcome, still_ours = {"status": "cancelled"}, True
         finally:
             self.executions.end(item)
         if not still_ours:

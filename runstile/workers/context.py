@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import rfc8785
 
-from ..errors import LeaseLost, RunstileError
+from ..errors import LeaseLost, RunStopping, RunstileError
 from ..ledger import execution, journal
 from ..ledger.execution import Owner
 
@@ -87,10 +87,13 @@ class RunContext:
         return self._stop_requested()
 
     def checkpoint(self) -> None:
-        """Raise Stopped if a stop is pending (and unwind if the lease was lost)."""
+        """Raise Stopped if a stop is pending (and unwind if the lease was lost).
+
+        Asks the ledger (one short read), so a stop is seen at once, not at the next
+        heartbeat."""
         if self._lease_lost():
             raise LeaseLostInterrupt(self.run_id)
-        if self._stop_requested():
+        if self._stop_requested() or execution.is_stopping(self._conn, self.run_id):
             raise Stopped(self.run_id)
 
     def _next_position(self) -> int:
@@ -135,6 +138,8 @@ class RunContext:
                                 type_=type, data=json.loads(encoded), args_hash=digest)
         except LeaseLost:
             raise LeaseLostInterrupt(self.run_id) from None
+        except RunStopping:
+            raise Stopped(self.run_id) from None
 
     # ------------------------------------------------------------ step
 
@@ -164,6 +169,8 @@ class RunContext:
                                restart=entry is not None)
         except LeaseLost:
             raise LeaseLostInterrupt(self.run_id) from None
+        except RunStopping:
+            raise Stopped(self.run_id) from None
         self._on_step_started()
         try:
             result = fn(*args, **kwargs)

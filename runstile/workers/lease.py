@@ -21,7 +21,7 @@ from ..errors import RunstileError
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
-from .context import Interrupt, LeaseLostInterrupt, TimeLimitInterrupt
+from .context import Interrupt, LeaseLostInterrupt, Stopped, TimeLimitInterrupt
 
 log = logging.getLogger("runstile.workers")
 
@@ -37,6 +37,9 @@ class Execution:
     lost: bool = False
     timed_out: bool = False
     stop_requested: bool = False
+    #: monotonic time the heartbeat first saw the stop request (grace starts there).
+    stop_seen_at: float | None = None
+    stop_interrupted: bool = False
 
 
 @dataclass
@@ -71,7 +74,7 @@ class Executions:
     def interrupt(self, item: Execution, exc: type[Interrupt], flag: str) -> bool:
         """Raise ``exc`` in the body's thread unless it is already finishing."""
         with self.lock:
-            if item.finishing or item.lost or item.timed_out:
+            if item.finishing or item.lost or item.timed_out or item.stop_interrupted:
                 return False
             setattr(item, flag, True)
             hits = ctypes.pythonapi.PyThreadState_SetAsyncExc(
@@ -117,6 +120,8 @@ class LeaseKeeper(threading.Thread):
             self.pool.discard()
             return
         for item in self.executions.snapshot():
+            if renewed.get(item.run_id) == "stopping" and not item.stop_requested:
+                item.stop_requested, item.stop_seen_at = True, time.monotonic()
             # Only executions claimed before this heartbeat's UPDATE can be judged by it.
             if item.tracked_at < began and item.run_id not in renewed:
                 if self.executions.interrupt(item, LeaseLostInterrupt, "lost"):
@@ -125,6 +130,12 @@ class LeaseKeeper(threading.Thread):
     def enforce_time_limits(self) -> None:
         now = time.monotonic()
         for item in self.executions.snapshot():
+            if (item.stop_seen_at is not None and not item.stop_interrupted
+                    and now - item.stop_seen_at >= self.settings.stop_grace_s):
+                # Past the stop grace: unwind the body; the executor records cancelled.
+                if self.executions.interrupt(item, Stopped, "stop_interrupted"):
+                    log.warning("run %s: stop grace passed; interrupting its body",
+                                item.run_id)
             if item.deadline is None or now < item.deadline or item.finishing:
                 continue
             # Write the outcome first (guarded on ownership), then unwind the body.

@@ -32,6 +32,7 @@ NOT_SENT_OVER_HTTP = {
     "ConfigError": "settings and task modules at start-up, and the CLI",
     "NodeLocked": "runstile up, when the node lock is taken",
     "LeaseLost": "inside workers",
+    "RunStopping": "inside workers (a journaled call meets a stop)",
 }
 
 #: One row of the main table in configuration.md: | `RUNSTILE_X` | default | ...

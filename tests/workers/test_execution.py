@@ -99,7 +99,7 @@ def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
     assert execution.claim(conn, rid, fresh, lease_s=30, task_known=known).outcome == "not_queued"
     conn.execute("UPDATE runs SET lease_expires_at = 0 WHERE id = ?", (rid,))  # lease lapses
     assert execution.finish(conn, rid, stale, status="completed", result_json="1") is None
-    assert execution.heartbeat(conn, "n", 1, 100, 30, [rid]) == set()
+    assert execution.heartbeat(conn, "n", 1, 100, 30, [rid]) == {}
     # Recovery would hand the run on; re-queue through the ledger and let another claim win.
     assert execution.requeue(conn, rid, from_statuses=("running",), reason="test") is not None
     assert execution.claim(conn, rid, fresh, lease_s=30, task_known=known).run is not None
