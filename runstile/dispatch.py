@@ -9,6 +9,7 @@ always has its message and a rolled-back one never does.
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import dramatiq
 
@@ -32,7 +33,20 @@ def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> 
                                 run_id=run["id"])
 
 
-def in_transaction_enqueue(settings: Settings) -> Enqueue | None:
+def in_transaction_enqueue(settings: Settings, *, delay_s: float = 0.0) -> Enqueue | None:
     """The callback admission and re-queues pass to the ledger, or None for brokers that
-    are published to after commit (Redis, RabbitMQ)."""
-    return _embedded_enqueue if settings.broker_url == "sqlite" else None
+    are published to after commit (Redis, RabbitMQ).  With ``delay_s`` the message waits
+    on the delay queue (Dramatiq's ``<queue>.DQ`` convention with an ``eta``)."""
+    if settings.broker_url != "sqlite":
+        return None
+    if delay_s <= 0:
+        return _embedded_enqueue
+
+    def delayed(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
+        eta_ms = int((time.time() + delay_s) * 1000)
+        message = message_for(run["id"], dispatch_id).copy(
+            queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
+        broker_queue.insert_message(conn, message.queue_name, message.message_id,
+                                    message.encode(), eta=eta_ms / 1000, run_id=run["id"])
+
+    return delayed

@@ -193,7 +193,8 @@ def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str) -> d
 
 def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, ...],
             reason: str, event_type: str = "run.requeued", next_attempt: bool = True,
-            enqueue: Enqueue | None = None) -> dict | None:
+            enqueue: Enqueue | None = None, owner: Owner | None = None,
+            event_data: dict | None = None) -> dict | None:
     """``from_statuses`` -> queued for another execution, with a dispatch record.
 
     Used by task retries, /resume, recovery and drain (SPEC §4).  The owner and lease
@@ -201,17 +202,19 @@ def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, 
     start, which is what lets a history checker tell a re-run from a duplicate.
     """
     placeholders = ", ".join("?" for _ in from_statuses)
+    guard, guard_args = ("", ()) if owner is None else (f" AND {_OWNED}", _owner_args(owner))
     with db.transaction(conn):
         run = conn.execute(
             f"UPDATE runs SET status = 'queued', attempt = attempt + ?, recovery_reason = ?, "
             "owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
             f"owner_thread = NULL, lease_expires_at = NULL, updated_at = {NOW} "
-            f"WHERE id = ? AND status IN ({placeholders}) RETURNING *",
-            (1 if next_attempt else 0, reason, run_id, *from_statuses)).fetchone()
+            f"WHERE id = ? AND status IN ({placeholders}){guard} RETURNING *",
+            (1 if next_attempt else 0, reason, run_id, *from_statuses, *guard_args)).fetchone()
         if run is None:
             return None
         run = dict(run)
-        events.append(conn, run_id, event_type, {"reason": reason, "attempt": run["attempt"]})
+        events.append(conn, run_id, event_type,
+                      {"reason": reason, "attempt": run["attempt"], **(event_data or {})})
         add_dispatch(conn, run, reason, enqueue)
         return run
 

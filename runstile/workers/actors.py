@@ -107,10 +107,34 @@ class Executor:
         if not still_ours:
             return
         crashpoints.hit(self.settings, "after_body")
+        if outcome["status"] == "failed" and self._retry(run, owner, spec, outcome):
+            return
         finished = self._finish(run["id"], owner, outcome)
         if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])
+
+    def _retry(self, run: dict, owner: Owner, spec: registry.TaskSpec, outcome: dict) -> bool:
+        """SPEC §5 task retries: a raising body with retries left is re-queued with
+        attempt + 1 after retry_backoff_s — a ledger transition (with a delayed message),
+        never Dramatiq's Retries.  ``attempt`` counts every execution of the run, so a
+        run re-queued by recovery has used one of its tries as well."""
+        if outcome.get("error_code") not in ("task_error",) or run["attempt"] > spec.retries:
+            return False
+        try:
+            requeued = execution.requeue(
+                self.pool.get(), run["id"], from_statuses=("running",), reason="retry",
+                owner=owner, event_data={"error": {"code": outcome["error_code"],
+                                                   "message": outcome["error_message"]}},
+                enqueue=dispatch.in_transaction_enqueue(self.settings,
+                                                        delay_s=spec.retry_backoff_s))
+        except LedgerUnavailable:
+            return False  # record the failure instead (finish retries while the lease lasts)
+        if requeued is not None:
+            log.info("run %s: attempt %d failed; retry as attempt %d in %.1fs", run["id"],
+                     run["attempt"], requeued["attempt"], spec.retry_backoff_s)
+            return True
+        return False
 
     def _finish(self, run_id: str, owner: Owner, outcome: dict) -> dict | None:
         """Record the outcome, retrying a briefly unavailable ledger while the lease

@@ -184,3 +184,19 @@ def checkpointing(ctx, input):
         time.sleep(0.05)
     log_line(input["log"], f"end {ctx.run_id} {ctx.attempt}")
     return "finished"
+
+
+@runstile.task("t.flaky", retries=2, retry_backoff_s=0.2)
+def flaky(ctx, input):
+    """Fails on attempts 1 and 2 after a step; succeeds on attempt 3."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    ctx.step("prepare", lambda: log_line(input["log"], f"call {ctx.run_id}") or "ready")
+    if ctx.attempt < 3:
+        raise RuntimeError(f"attempt {ctx.attempt} fails")
+    return {"attempt": ctx.attempt}
+
+
+@runstile.task("t.always_fails", retries=1, retry_backoff_s=0)
+def always_fails(ctx, input):
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    raise RuntimeError("no luck")

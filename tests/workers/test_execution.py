@@ -276,3 +276,23 @@ def test_a_heartbeat_that_renews_nothing_interrupts_the_body(make_system, ledger
     assert f"end {rid}" not in read_log(log)
     # The stale owner wrote no outcome: the run is still 'running' for recovery to judge.
     assert api.get(f"/v1/runs/{rid}").json()["status"] == "running"
+
+
+def test_task_retries_requeue_through_the_ledger_until_they_run_out(make_system, ledger,
+                                                                   tmp_path):
+    system = make_system(workers=1, threads=2)
+    api = Api(system, ledger.key(), ledger)
+    log = tmp_path / "executions.log"
+    flaky = api.post_run({"task": "t.flaky", "input": {"log": str(log)}}).json()["id"]
+    hopeless = api.post_run({"task": "t.always_fails", "input": {"log": str(log)}}).json()["id"]
+    done = wait_for_status(api, flaky, statuses=("completed",))
+    assert done["attempt"] == 3 and done["result"] == {"attempt": 3}
+    failed = wait_for_status(api, hopeless, statuses=("failed",))
+    assert failed["attempt"] == 2 and failed["error"]["code"] == "task_error"
+    assert starts_by_run(log)[flaky] == 3 and starts_by_run(log)[hopeless] == 2
+    # The step completed on attempt 1 is replayed on 2 and 3, not called again.
+    assert [l for l in read_log(log) if l.startswith("call")] == [f"call {flaky}"]
+    types = [e["type"] for e in api.get(f"/v1/runs/{flaky}/events",
+                                        headers={"Accept": "application/json"}).json()["data"]]
+    assert types.count("run.requeued") == 2 and types.count("run.started") == 3
+    assert types.count("run.failed") == 0 and types[-1] == "run.completed"
