@@ -34,13 +34,14 @@ import uuid
 from typing import Any, Iterable, Iterator
 
 from .errors import ApiError
+from .ledger.states import TERMINAL
 
 __all__ = ["Client", "TERMINAL_EVENTS", "TERMINAL_STATUSES"]
 
-#: Event types after which a run's stream has nothing more to say (SPEC §3.3).
-TERMINAL_EVENTS = frozenset({"run.completed", "run.failed", "run.cancelled", "run.interrupted"})
 #: Run statuses that never change again (SPEC §4).
-TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "interrupted"})
+TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)
+#: Event types after which a run's stream has nothing more to say (SPEC §3.3).
+TERMINAL_EVENTS = frozenset(f"run.{status}" for status in TERMINAL_STATUSES)
 #: Answers that mean "the server did nothing; try again later" (safe for every call).
 _REFUSED_STATUSES = frozenset({429, 503})
 #: Errors on a reused keep-alive connection that mean the server had closed it while idle.
@@ -106,7 +107,8 @@ class _StdlibTransport:
             self._idle.append((time.monotonic(), conn))
 
     def send(self, method: str, target: str, headers: dict, body: bytes | None,
-             timeout_s: float, *, stream: bool = False, fresh: bool = False) -> _Answer:
+             timeout_s: float, *, stream: bool = False, fresh: bool = False,
+             read_timeout=None) -> _Answer:
         conn, reused = self._connection(timeout_s, fresh)
         try:
             conn.request(method, target, body=body, headers=headers)
@@ -117,13 +119,16 @@ class _StdlibTransport:
                 raise _TransportError(exc, sent=True) from exc
             # The server closed this idle connection before reading the request (the
             # keep-alive race): nothing was processed, so send it once more on a new one.
-            return self.send(method, target, headers, body, timeout_s, stream=stream, fresh=True)
+            return self.send(method, target, headers, body, timeout_s, stream=stream, fresh=True,
+                             read_timeout=read_timeout)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise _TransportError(exc, sent=True) from exc
         if stream and resp.status == 200:
             def chunks() -> Iterator[bytes]:
                 while True:
+                    if read_timeout is not None and conn.sock is not None:
+                        conn.sock.settimeout(read_timeout())  # e.g. what is left of a wait
                     chunk = resp.read1(65536)
                     if not chunk:
                         return
@@ -158,7 +163,9 @@ class _SessionTransport:
         self.session, self.base = session, base
 
     def send(self, method: str, target: str, headers: dict, body: bytes | None,
-             timeout_s: float, *, stream: bool = False, fresh: bool = False) -> _Answer:
+             timeout_s: float, *, stream: bool = False, fresh: bool = False,
+             read_timeout=None) -> _Answer:
+        # read_timeout is not applied: requests fixes a stream's read timeout when it opens.
         try:
             resp = self.session.request(method, self.base + target, headers=headers, data=body,
                                         timeout=timeout_s, stream=stream, allow_redirects=False)
@@ -245,8 +252,9 @@ class Client:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http(s)://host[:port][/prefix], not {url!r}")
-        if not api_key:
-            raise ValueError("api_key is required (runstile keys create prints one)")
+        if not api_key or not re.fullmatch(r"[\x21-\x7e]+", api_key):
+            raise ValueError("api_key is required: the rsk_… secret `runstile keys create` "
+                             "prints (visible ASCII, no spaces)")
         if timeout_s <= 0 or max_retries < 0:
             raise ValueError("timeout_s must be > 0 and max_retries >= 0")
         self.url = url.rstrip("/")
@@ -353,6 +361,9 @@ class Client:
         Follows the event stream; raises the built-in ``TimeoutError`` after ``timeout_s``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        run = self.get(run_id)
+        if run["status"] in TERMINAL_STATUSES:
+            return run
         for _ in self._events(run_id, 0, deadline=deadline):
             pass
         return self.get(run_id)
@@ -365,8 +376,10 @@ class Client:
             headers = {**self._headers, "Accept": "text/event-stream",
                        "Last-Event-ID": str(last)}
             try:
-                answer = self._transport.send("GET", self._prefix + path, headers, None,
-                                              timeout_s, stream=True)
+                answer = self._transport.send(
+                    "GET", self._prefix + path, headers, None, timeout_s, stream=True,
+                    read_timeout=None if deadline is None else
+                    lambda: max(0.001, min(self.timeout_s, deadline - time.monotonic())))
             except _TransportError as exc:
                 failures += 1
                 if failures > self.max_retries:
@@ -393,25 +406,32 @@ class Client:
                     yield event
                     if event["type"] in TERMINAL_EVENTS:
                         return
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
             except (OSError, http.client.HTTPException):
                 pass  # dropped or timed out: resume below from ``last``
             finally:
                 answer.close()
+            if deadline is not None and time.monotonic() >= deadline:
+                continue  # the top of the loop raises TimeoutError
             if received == 0:
                 # The stream ended with nothing new: either the run is already past its
                 # terminal event, or the stream lived out its lifetime while idle.
                 if self.get(run_id)["status"] in TERMINAL_STATUSES:
                     if not self._has_events_after(path, last):
                         return
+                    # Events after ``last`` remain: the next stream sends them.
+                    self._sleep(min(retry_s, 0.1), deadline)
                     continue
                 self._sleep(retry_s * random.uniform(0.5, 1.0), deadline)
 
     def _has_events_after(self, path: str, after: int) -> bool:
-        """Whether a terminal run still has events past ``after`` (a stream may close on
-        seeing the status just before reading the terminal event)."""
+        """Whether a terminal run has events past ``after``: a stream can close on seeing
+        the terminal status without having sent the terminal event (it reads the events,
+        then the status, and the run may end in between)."""
         page = self._call("GET", path, query=[("after", str(after))],
                           headers={"Accept": "application/json"})
-        return any(event["type"] in TERMINAL_EVENTS for event in page["data"])
+        return bool(page["data"])
 
     # -------------------------------------------------------------- plumbing
 

@@ -193,3 +193,19 @@ class LeaseLost(RunstileError):
 
     code = "lease_lost"
     status = 409
+
+
+class ApiError(RunstileError):
+    """Raised when a runstile.Client call gets an error answer from the API, or none at all."""
+
+    def __init__(self, status: int | None, code: str, message: str,
+                 details: dict[str, Any] | None = None) -> None:
+        # ``status`` is the HTTP status (None when the server could not be reached) and
+        # ``code`` the stable code of the ``{"error": {...}}`` body; they shadow the
+        # class defaults, since one class carries every code the server sends.
+        super().__init__(message or code)
+        self.status, self.code = status, code
+        self.details = dict(details or {})
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
