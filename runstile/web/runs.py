@@ -23,6 +23,7 @@ blueprint = Blueprint("runs", __name__)
 
 #: Event types that end a run's stream (SPEC §3.3: it closes after the terminal event).
 TERMINAL_EVENTS = frozenset(f"run.{status.value}" for status in TERMINAL)
+TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)
 #: Seconds between polls of the event log while a stream is idle.
 STREAM_POLL_S = 0.05
 LIST_PARAMS = {"status", "task", "session_key", "idempotency_key", "created_after",
@@ -226,7 +227,11 @@ def _stream(run_id: str, after: int) -> Response:
             quiet_since = time.monotonic()
             yield "retry: 1000\n\n"
             while time.monotonic() < deadline:
-                # One short read per poll; no transaction stays open in between.
+                # Status first, then events: the terminal event commits with the terminal
+                # status, so a status seen terminal here means the read below has the
+                # terminal event (the other order could close before sending it).
+                # One short read each; no transaction stays open in between.
+                finished = runs.status_of(pool.get(), run_id) in TERMINAL_STATUSES
                 batch = events.after(pool.get(), run_id, last, 500)
                 for event in batch:
                     last = event["seq"]
@@ -237,7 +242,7 @@ def _stream(run_id: str, after: int) -> Response:
                     if any(e["type"] in TERMINAL_EVENTS for e in batch):
                         return
                     continue
-                if runs.status_of(pool.get(), run_id) in {s.value for s in TERMINAL}:
+                if finished:
                     return
                 if time.monotonic() - quiet_since >= settings.stream_keepalive_s:
                     quiet_since = time.monotonic()

@@ -33,6 +33,7 @@ NOT_SENT_OVER_HTTP = {
     "NodeLocked": "runstile up, when the node lock is taken",
     "LeaseLost": "inside workers",
     "RunStopping": "inside workers (a journaled call meets a stop)",
+    "ApiError": "raised by runstile.Client from an answer, never sent by the server",
 }
 
 #: One row of the main table in configuration.md: | `RUNSTILE_X` | default | ...
