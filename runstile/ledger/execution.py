@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from . import db, events
+from . import db, events, sessions
 from .db import NOW
 from .runs import Enqueue, add_dispatch
 
@@ -46,18 +46,23 @@ class Claim:
 
 
 def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
-          task_known) -> Claim:
+          task_known, enqueue: Enqueue | None = None) -> Claim:
     """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
 
     Race: two workers holding duplicate messages both get here; the write lock orders
     them and the loser's UPDATE finds status != 'queued' and changes nothing.
     """
     with db.transaction(conn):
-        row = conn.execute("SELECT task, status FROM runs WHERE id = ?", (run_id,)).fetchone()
+        row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         if row is None:
             return Claim(None, "missing")
         if row["status"] != "queued":
             return Claim(None, "not_queued")
+        refusal = sessions.claim_refusal(conn, dict(row))
+        if refusal is not None:
+            # Not this run's turn in its session; whatever frees the session will
+            # dispatch the next run, so this message is a no-op.
+            return Claim(None, refusal)
         if not task_known(row["task"]):
             failed = conn.execute(
                 "UPDATE runs SET status = 'failed', error_code = 'unknown_task', "
@@ -70,6 +75,7 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
                     "attempt": failed["attempt"],
                     "error": {"code": "unknown_task",
                               "message": f"no task named {row['task']!r} is registered"}})
+                sessions.dispatch_next(conn, dict(row), enqueue)
             return Claim(None, "unknown_task")
         run = conn.execute(
             "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
@@ -109,7 +115,7 @@ def heartbeat(conn: sqlite3.Connection, node: str, generation: int, pid: int,
 
 def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
            result_json: str | None = None, error_code: str | None = None,
-           error_message: str | None = None) -> dict | None:
+           error_message: str | None = None, enqueue: Enqueue | None = None) -> dict | None:
     """running -> completed | failed (or stopping -> cancelled), only for the current
     owner with a live lease.
 
@@ -137,10 +143,12 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
         elif error_code is not None:
             data["error"] = {"code": error_code, "message": error_message}
         events.append(conn, run_id, f"run.{run['status']}", data)
+        sessions.dispatch_next(conn, dict(run), enqueue)
         return dict(run)
 
 
-def stop(conn: sqlite3.Connection, run_id: str) -> tuple[dict, bool] | None:
+def stop(conn: sqlite3.Connection, run_id: str,
+         enqueue: Enqueue | None = None) -> tuple[dict, bool] | None:
     """SPEC §3.4 stop, bound to this run: (run, settled_now).
 
     queued / paused / waiting_for_approval -> cancelled at once (settled: 200);
@@ -161,6 +169,7 @@ def stop(conn: sqlite3.Connection, run_id: str) -> tuple[dict, bool] | None:
                 "owner_thread = NULL, lease_expires_at = NULL WHERE id = ? AND status = ? "
                 "RETURNING *", (run_id, status)).fetchone()
             events.append(conn, run_id, "run.cancelled", {"reason": "stopped", "was": status})
+            sessions.dispatch_next(conn, dict(run), enqueue)
             return dict(run), True
         if status == "running":
             run = conn.execute(f"UPDATE runs SET status = 'stopping', updated_at = {NOW} "
@@ -178,7 +187,8 @@ def is_stopping(conn: sqlite3.Connection, run_id: str) -> bool:
     return row is not None and row[0] == "stopping"
 
 
-def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str) -> dict | None:
+def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str,
+          enqueue: Enqueue | None = None) -> dict | None:
     """running -> paused (a person must decide), only for the current owner."""
     with db.transaction(conn):
         run = conn.execute(
@@ -188,6 +198,7 @@ def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str) -> d
         if run is None:
             return None
         events.append(conn, run_id, "run.paused", {"reason": reason})
+        sessions.dispatch_next(conn, dict(run), enqueue)
         return dict(run)
 
 

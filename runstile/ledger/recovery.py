@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from . import db, events
+from . import db, events, sessions
 from .db import NOW
 from .journal import uncertain_steps
 from .runs import Enqueue, add_dispatch
@@ -87,6 +87,7 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
         if reason == "uncertain_side_effect":
             data["steps"] = uncertain_steps(conn, run["id"])
         events.append(conn, run["id"], "run.paused", data)
+        sessions.dispatch_next(conn, run, enqueue)
         return True
     terminal = {"cancelled": ("cancelled", None, None),
                 "interrupted": ("interrupted", "owner_lost",
@@ -101,6 +102,7 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
     events.append(conn, run["id"], f"run.{status}",
                   {"reason": reason} if code is None else
                   {"reason": reason, "error": {"code": code, "message": message}})
+    sessions.dispatch_next(conn, run, enqueue)
     return True
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import crashpoints, dispatch
 from ..config import Settings
-from ..ledger import broker_queue, db, migrations, recovery, retention
+from ..ledger import broker_queue, db, migrations, recovery, retention, sessions
 from ..workers import registry
 
 log = logging.getLogger("runstile.recovery")
@@ -89,7 +89,14 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                             report.counts["republished"] += 1
                 if len(stale) < BATCH:
                     break
-        # 5. Session heads: sessions are not built yet, so no run waits on one.
+        # 5. Dispatch the head of every session left without a holder (its freeing
+        #    transition dispatched it already; this covers a message lost since).
+        with db.transaction(conn):
+            for head in sessions.heads_without_dispatch(conn, limit=BATCH):
+                if head["updated_at"] is not None and recovery.ledger_now(conn) - \
+                        head["updated_at"] > REPUBLISH_AFTER_LEASES * settings.lease_s:
+                    if recovery.republish(conn, head, enqueue) if enqueue else False:
+                        report.counts["session_heads"] += 1
         # 6. Purge by retention, in bounded batches.
         for _ in range(MAX_PURGE_BATCHES):
             purged = retention.purge(conn, run_retention_s=settings.run_retention_s,

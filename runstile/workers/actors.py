@@ -43,6 +43,8 @@ class Executor:
         self.settings, self.broker = settings, broker
         self.node, self.generation = node, generation
         self.executions, self.pool = executions, pool
+        #: How transitions that free a session hand its next run to the broker.
+        self.enqueue = dispatch.in_transaction_enqueue(settings)
 
     def owner(self) -> Owner:
         return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
@@ -52,6 +54,7 @@ class Executor:
         conn = self.pool.get()
         try:
             claim = execution.claim(conn, run_id, owner, lease_s=self.settings.lease_s,
+                                    enqueue=self.enqueue,
                                     task_known=lambda name: registry.get(name) is not None)
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.
@@ -77,7 +80,8 @@ class Executor:
                 ctx = RunContext(run, owner, conn, stop_requested=lambda: item.stop_requested,
                                  lease_lost=lambda: item.lost,
                                  on_step_started=lambda: crashpoints.hit(self.settings,
-                                                                         "after_step_start"))
+                                                                         "after_step_start"),
+                                 enqueue=self.enqueue)
                 value = self._call(spec, ctx, json.loads(run["input"]))
                 outcome = self._completed(value)
             except Stopped:
@@ -113,6 +117,11 @@ class Executor:
         if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])
+        elif finished["session_key"] is not None:
+            # The run freed its session: publish the next run's dispatch (Redis/RabbitMQ;
+            # the embedded broker's message committed with the outcome).
+            dispatch.publish_pending(self.settings, self.pool.get(), session=(
+                finished["profile_id"], finished["key_id"], finished["session_key"]))
 
     def _retry(self, run: dict, owner: Owner, spec: registry.TaskSpec, outcome: dict) -> bool:
         """SPEC §5 task retries: a raising body with retries left is re-queued with
@@ -133,6 +142,9 @@ class Executor:
         if requeued is not None:
             log.info("run %s: attempt %d failed; retry as attempt %d in %.1fs", run["id"],
                      run["attempt"], requeued["attempt"], spec.retry_backoff_s)
+            # Redis/RabbitMQ: publish the re-queue's dispatch now, as a delayed message.
+            dispatch.publish_pending(self.settings, self.pool.get(), run_ids=[run["id"]],
+                                     delay_s=spec.retry_backoff_s)
             return True
         return False
 
@@ -143,7 +155,8 @@ class Executor:
         deadline = time.monotonic() + self.settings.lease_s
         while True:
             try:
-                return execution.finish(self.pool.get(), run_id, owner, **outcome)
+                return execution.finish(self.pool.get(), run_id, owner, **outcome,
+                                        enqueue=self.enqueue)
             except LedgerUnavailable as exc:
                 self.pool.discard()
                 if time.monotonic() >= deadline:

@@ -66,7 +66,8 @@ class RunContext:
     def __init__(self, run: dict, owner: Owner, conn: sqlite3.Connection, *,
                  stop_requested: Callable[[], bool] = lambda: False,
                  lease_lost: Callable[[], bool] = lambda: False,
-                 on_step_started: Callable[[], None] = lambda: None) -> None:
+                 on_step_started: Callable[[], None] = lambda: None,
+                 enqueue=None) -> None:
         self.run_id: str = run["id"]
         self.attempt: int = run["attempt"]
         self.session_key: str | None = run["session_key"]
@@ -77,6 +78,7 @@ class RunContext:
         self._stop_requested = stop_requested
         self._lease_lost = lease_lost
         self._on_step_started = on_step_started
+        self._enqueue = enqueue
         self._journal = journal.entries(conn, self.run_id)
         self._position = 0
 
@@ -104,7 +106,8 @@ class RunContext:
         """The body asked for something other than what the journal recorded here: the
         body is not deterministic, so replaying further would be guessing.  Pause."""
         reason = "nondeterministic_replay"
-        paused = execution.pause(self._conn, self.run_id, self._owner, reason)
+        paused = execution.pause(self._conn, self.run_id, self._owner, reason,
+                                 enqueue=self._enqueue)
         if paused is None:
             raise LeaseLostInterrupt(self.run_id)
         raise PausedInterrupt(f"position {position}: journal has {entry.kind} {entry.name!r}, "

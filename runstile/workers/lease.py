@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .. import dispatch
 from ..config import Settings
 from ..errors import RunstileError
 from ..ledger import execution
@@ -143,7 +144,8 @@ class LeaseKeeper(threading.Thread):
                 failed = execution.finish(
                     self.pool.get(), item.run_id, item.owner, status="failed",
                     error_code="time_limit_exceeded",
-                    error_message="the task ran past its time_limit_s")
+                    error_message="the task ran past its time_limit_s",
+                    enqueue=dispatch.in_transaction_enqueue(self.settings))
             except RunstileError as exc:
                 log.warning("run %s: could not record its time limit: %s", item.run_id,
                             exc.message)

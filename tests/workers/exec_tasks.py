@@ -200,3 +200,12 @@ def flaky(ctx, input):
 def always_fails(ctx, input):
     log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
     raise RuntimeError("no luck")
+
+
+@runstile.task("t.session_step")
+def session_step(ctx, input):
+    """Logs begin/finish with the session key, holding the session for ``hold_s``."""
+    log_line(input["log"], f"begin {ctx.session_key} {input['n']} {ctx.run_id}")
+    time.sleep(input.get("hold_s", 0.05))
+    log_line(input["log"], f"finish {ctx.session_key} {input['n']} {ctx.run_id}")
+    return input["n"]

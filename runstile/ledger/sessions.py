@@ -1,0 +1,66 @@
+"""Sessions (SPEC §5): runs of one (scope, session_key) execute one at a time, in order.
+
+A run may be claimed only when no run of its session is running, stopping or waiting
+for approval, and it is the session's first queued run (resumed runs first, then
+admission order).  Paused and terminal runs never block.  Whatever frees a session
+(a run ending, pausing, being stopped) dispatches the session's next run in the same
+transaction, so nobody waits for a sweep; a message for a run that may not go yet is
+acknowledged as a no-op by the claim.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from .runs import Enqueue, add_dispatch
+
+#: Statuses that hold a session's head.
+HOLDING = "('running', 'stopping', 'waiting_for_approval')"
+_SESSION = "profile_id = ? AND key_id = ? AND session_key = ?"
+#: Resumed runs first (a person asked for them), then admission order.
+_HEAD_ORDER = "ORDER BY (recovery_reason IS 'resumed') DESC, seq"
+
+
+def _key(run: dict) -> tuple:
+    return run["profile_id"], run["key_id"], run["session_key"]
+
+
+def claim_refusal(conn: sqlite3.Connection, run: dict) -> str | None:
+    """Why ``run`` (queued) may not be claimed now, or None if it may."""
+    if run["session_key"] is None:
+        return None
+    if conn.execute(f"SELECT 1 FROM runs WHERE {_SESSION} AND status IN {HOLDING} LIMIT 1",
+                    _key(run)).fetchone():
+        return "session_busy"
+    head = conn.execute(f"SELECT id FROM runs WHERE {_SESSION} AND status = 'queued' "
+                        f"{_HEAD_ORDER} LIMIT 1", _key(run)).fetchone()
+    return None if head is not None and head[0] == run["id"] else "not_session_head"
+
+
+def dispatch_next(conn: sqlite3.Connection, run: dict, enqueue: Enqueue | None) -> str | None:
+    """After ``run`` stopped holding its session: dispatch the session's next run, in the
+    caller's transaction.  Returns the dispatched run id, if any."""
+    if run.get("session_key") is None:
+        return None
+    if conn.execute(f"SELECT 1 FROM runs WHERE {_SESSION} AND status IN {HOLDING} LIMIT 1",
+                    _key(run)).fetchone():
+        return None
+    head = conn.execute(f"SELECT * FROM runs WHERE {_SESSION} AND status = 'queued' "
+                        f"{_HEAD_ORDER} LIMIT 1", _key(run)).fetchone()
+    if head is None:
+        return None
+    add_dispatch(conn, dict(head), "session_next", enqueue)
+    return head["id"]
+
+
+def heads_without_dispatch(conn: sqlite3.Connection, *, limit: int) -> list[dict]:
+    """Recovery step 5: each session with queued runs and nothing holding it, by its head."""
+    rows = conn.execute(
+        "SELECT r.* FROM runs r WHERE r.session_key IS NOT NULL AND r.status = 'queued' "
+        "AND NOT EXISTS (SELECT 1 FROM runs h WHERE h.profile_id = r.profile_id AND "
+        "h.key_id = r.key_id AND h.session_key = r.session_key AND h.status IN "
+        f"{HOLDING}) AND r.id = (SELECT q.id FROM runs q WHERE q.profile_id = r.profile_id "
+        "AND q.key_id = r.key_id AND q.session_key = r.session_key AND q.status = 'queued' "
+        f"{_HEAD_ORDER.replace('recovery_reason', 'q.recovery_reason').replace('seq', 'q.seq')} "
+        "LIMIT 1) LIMIT ?", (limit,)).fetchall()
+    return [dict(r) for r in rows]
