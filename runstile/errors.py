@@ -154,6 +154,18 @@ class RunIdConflict(Conflict):
     code = "run_id_conflict"
 
 
+class ApprovalAlreadyResolved(Conflict):
+    """Raised when an approval already decided one way is asked to be decided the other."""
+
+    code = "approval_already_resolved"
+
+
+class ApprovalNotPending(Conflict):
+    """Raised when an approval id is unknown or the run is not waiting for approval."""
+
+    code = "approval_not_pending"
+
+
 class RunNotPaused(Conflict):
     """Raised when /resume is asked of a run that is not paused."""
 

@@ -31,6 +31,14 @@ def _json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+def _approval(text: str | None) -> dict | None:
+    approval = _json(text)
+    if approval is not None:
+        for name in ("requested_at", "resolved_at"):
+            approval[name] = rfc3339(approval.get(name))
+    return approval
+
+
 def run_object(row: dict) -> dict:
     error = None
     if row.get("error_code"):
@@ -56,7 +64,7 @@ def run_object(row: dict) -> dict:
         "attempt": row["attempt"],
         "result": _json(row["result"]),
         "error": error,
-        "approval": _json(row.get("approval")),
+        "approval": _approval(row.get("approval")),
         "recovery": recovery,
     }
 

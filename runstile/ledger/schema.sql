@@ -70,6 +70,7 @@ CREATE TABLE runs (
     -- cleared when the run leaves running/stopping.  Owner = (node, generation, pid,
     -- thread); a guarded UPDATE that names all four is how a worker proves it still
     -- owns the run.  interruption = 'drain' marks a controlled interruption (§6.4).
+    approval            TEXT,                           -- JSON: the latest approval request
     owner_node          TEXT,
     owner_generation    INTEGER,
     owner_pid           INTEGER,

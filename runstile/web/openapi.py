@@ -191,6 +191,24 @@ def document() -> dict:
                                   "404": _error("run_not_found"), **_AUTH_ERRORS},
                 },
             },
+            "/v1/runs/{run_id}/approval": {
+                "post": {
+                    "operationId": "decideApproval",
+                    "summary": "Decide a pending approval: the first decision re-queues the run",
+                    "parameters": [_RUN_ID_PARAM],
+                    "requestBody": {"required": True, "content": {"application/json": {
+                        "schema": {"type": "object", "additionalProperties": False,
+                                   "required": ["approval_id", "decision"],
+                                   "properties": {"approval_id": _TEXT,
+                                                  "decision": {"enum": ["approve", "deny"]}}}}}},
+                    "responses": {"200": _json("Run", "decided (or the same decision again)"),
+                                  "400": _error("invalid_request / invalid_json"),
+                                  "404": _error("run_not_found"),
+                                  "409": _error("approval_already_resolved or "
+                                                "approval_not_pending"),
+                                  **_AUTH_ERRORS},
+                },
+            },
             "/v1/runs/{run_id}/resume": {
                 "post": {
                     "operationId": "resumeRun",

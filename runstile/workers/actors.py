@@ -23,8 +23,8 @@ from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
 from . import registry
-from .context import (Interrupt, LeaseLostInterrupt, PausedInterrupt, RunContext, Stopped,
-                      TimeLimitInterrupt)
+from .context import (ApprovalParked, Interrupt, LeaseLostInterrupt, PausedInterrupt,
+                      RunContext, Stopped, TimeLimitInterrupt)
 from .lease import Executions
 
 log = logging.getLogger("runstile.workers")
@@ -100,7 +100,7 @@ class Executor:
                            "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:
                 still_ours = self.executions.finishing(item)
-        except (LeaseLostInterrupt, TimeLimitInterrupt, PausedInterrupt) as exc:
+        except (LeaseLostInterrupt, TimeLimitInterrupt, PausedInterrupt, ApprovalParked) as exc:
             log.info("run %s: body unwound (%s)", run["id"], type(exc).__name__)
             return
         except Stopped:

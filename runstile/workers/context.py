@@ -16,7 +16,7 @@ from typing import Any, Callable
 import rfc8785
 
 from ..errors import LeaseLost, RunStopping, RunstileError
-from ..ledger import execution, journal
+from ..ledger import approvals, execution, journal
 from ..ledger.execution import Owner
 
 #: Largest event payload a task may emit, in bytes of JSON (SPEC §3.3).
@@ -43,6 +43,11 @@ class TimeLimitInterrupt(Interrupt):
 
 class PausedInterrupt(Interrupt):
     """Raised after the run was paused (nondeterministic replay): the body must stop."""
+
+
+class ApprovalParked(Interrupt):
+    """Raised after request_approval parked the run: the body stops; the decision
+    re-queues the run and the body runs again, finding the decision in its journal."""
 
 
 class InvalidEvent(RunstileError):
@@ -143,6 +148,35 @@ class RunContext:
             raise LeaseLostInterrupt(self.run_id) from None
         except RunStopping:
             raise Stopped(self.run_id) from None
+
+    # ------------------------------------------------------------ approvals
+
+    def request_approval(self, details: Any = None) -> bool:
+        """Ask a person (SPEC §5).  The first time, the run parks in
+        ``waiting_for_approval`` and the body stops here; after the decision the body
+        runs again and this call returns True (approve) or False (deny)."""
+        try:
+            encoded = json.dumps(details, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise InvalidEvent(f"approval details must be JSON: {exc}") from None
+        if len(encoded.encode()) > MAX_EVENT_DATA_BYTES:
+            raise InvalidEvent(f"approval details are larger than {MAX_EVENT_DATA_BYTES} bytes")
+        self.checkpoint()
+        position = self._next_position()
+        digest = args_hash("request_approval", json.loads(encoded))
+        entry = self._journal.get(position)
+        if entry is not None:
+            if (entry.kind, entry.args_hash) != ("approval", digest):
+                self._replay_mismatch(position, entry, "approval", "request_approval")
+            decision = json.loads(entry.result or "{}").get("decision")
+            if decision is None:
+                raise RuntimeError("the run was re-queued while its approval is undecided")
+            return decision == "approve"
+        parked = approvals.request(self._conn, self.run_id, self._owner, position=position,
+                                   args_hash=digest, details=json.loads(encoded))
+        if parked is None:
+            raise LeaseLostInterrupt(self.run_id)
+        raise ApprovalParked(parked["approval_id"])
 
     # ------------------------------------------------------------ step
 

@@ -209,3 +209,15 @@ def session_step(ctx, input):
     time.sleep(input.get("hold_s", 0.05))
     log_line(input["log"], f"finish {ctx.session_key} {input['n']} {ctx.run_id}")
     return input["n"]
+
+
+@runstile.task("t.approval")
+def needs_approval(ctx, input):
+    """A side effect, then a person decides, then (if approved) another side effect."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    ctx.step("prepare", lambda: log_line(input["log"], f"call prepare {ctx.run_id}") or "ok")
+    ctx.emit("run.progress", {"pct": 50})
+    if ctx.request_approval({"action": "publish", "n": input.get("n")}):
+        ctx.step("publish", lambda: log_line(input["log"], f"call publish {ctx.run_id}") or "ok")
+        return {"published": True}
+    return {"published": False}

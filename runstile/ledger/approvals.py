@@ -1,0 +1,86 @@
+"""Approvals (SPEC §3.4, §5): a body asks a person; the run parks; a decision re-queues it.
+
+The request is a journaled call like a step (kind 'approval', matched by position), so
+a re-run body finds the decision in its journal instead of asking again.  The run's
+``approval`` column holds the latest request for the API.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+
+from ..errors import ApprovalAlreadyResolved, ApprovalNotPending
+from . import db, events, sessions
+from .db import NOW
+from .execution import Owner, owns
+from .runs import Enqueue, add_dispatch
+
+DECISIONS = ("approve", "deny")
+
+
+def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
+            args_hash: str, details: object) -> dict | None:
+    """running -> waiting_for_approval, fenced on the lease, in one transaction; the
+    lease is released so the worker thread is free at once.  Returns the approval
+    object, or None if this worker no longer owns the run."""
+    with db.transaction(conn):
+        run = owns(conn, run_id, owner)
+        if run is None or run["status"] != "running":
+            return None
+        approval_id = "apr_" + secrets.token_hex(12)
+        conn.execute(
+            "INSERT INTO journal (run_id, position, kind, name, args_hash, state, result, "
+            f"attempt, started_at) VALUES (?, ?, 'approval', 'request_approval', ?, 'started', "
+            f"?, ?, {NOW})",
+            (run_id, position, args_hash, json.dumps({"approval_id": approval_id}),
+             run["attempt"]))
+        row = conn.execute(
+            f"UPDATE runs SET status = 'waiting_for_approval', approval = json_object("
+            f"'approval_id', ?, 'details', json(?), 'requested_at', {NOW}, 'decision', NULL, "
+            "'resolved_at', NULL), owner_node = NULL, owner_generation = NULL, "
+            "owner_pid = NULL, owner_thread = NULL, lease_expires_at = NULL, "
+            f"updated_at = {NOW} WHERE id = ? AND status = 'running' RETURNING approval",
+            (approval_id, json.dumps(details), run_id)).fetchone()
+        events.append(conn, run_id, "approval.requested",
+                      {"approval_id": approval_id, "details": details})
+        return json.loads(row[0])
+
+
+def decide(conn: sqlite3.Connection, run_id: str, approval_id: str, decision: str,
+           enqueue: Enqueue | None) -> dict:
+    """Record a person's decision; returns the run row.
+
+    Rules for a known approval id come first (same decision again: fine, any time;
+    the other decision: 409 approval_already_resolved), then the run's status: the
+    first decision is one guarded transition waiting_for_approval -> queued (same
+    attempt) with a dispatch record.
+    """
+    assert decision in DECISIONS
+    with db.transaction(conn):
+        entry = conn.execute(
+            "SELECT position, state, result FROM journal WHERE run_id = ? AND kind = 'approval' "
+            "AND json_extract(result, '$.approval_id') = ?", (run_id, approval_id)).fetchone()
+        if entry is None:
+            raise ApprovalNotPending("no pending approval with this id on this run")
+        recorded = json.loads(entry["result"]).get("decision")
+        if recorded is not None:
+            if recorded != decision:
+                raise ApprovalAlreadyResolved(f"this approval was already decided: {recorded}")
+            return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+        row = conn.execute(
+            "UPDATE runs SET status = 'queued', approval = json_set(approval, '$.decision', ?, "
+            f"'$.resolved_at', {NOW}), updated_at = {NOW} WHERE id = ? AND "
+            "status = 'waiting_for_approval' AND json_extract(approval, '$.approval_id') = ? "
+            "RETURNING *", (decision, run_id, approval_id)).fetchone()
+        if row is None:
+            raise ApprovalNotPending("the run is not waiting for this approval")
+        conn.execute(
+            f"UPDATE journal SET state = 'completed', completed_at = {NOW}, "
+            "result = json_set(result, '$.decision', ?) WHERE run_id = ? AND position = ?",
+            (decision, run_id, entry["position"]))
+        events.append(conn, run_id, "approval.resolved",
+                      {"approval_id": approval_id, "decision": decision})
+        add_dispatch(conn, dict(row), "approval", enqueue)
+        return dict(row)

@@ -1,0 +1,39 @@
+"""POST /v1/runs/<id>/approval (SPEC §3.4): a person's decision on a pending approval."""
+
+from __future__ import annotations
+
+from flask import Blueprint, jsonify, request
+
+from .. import dispatch
+from ..errors import InvalidRequest, RunNotFound
+from ..ledger import approvals, runs
+from ..objects import run_object
+from . import admission
+from .auth import authenticate, principal
+from .state import conn, state
+
+blueprint = Blueprint("approvals", __name__)
+
+
+@blueprint.post("/v1/runs/<run_id>/approval")
+def decide(run_id: str):
+    authenticate()
+    if runs.get_visible(conn(), principal(), run_id) is None:
+        raise RunNotFound("no such run")
+    raw = admission.read_body(request, state().settings.max_body_bytes)
+    admission.require_json_content_type(request)
+    body = admission.parse_json(raw)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - {"approval_id", "decision"})
+    if unknown:
+        raise InvalidRequest(f"unknown field {unknown[0]!r}", field=unknown[0])
+    approval_id, decision = body.get("approval_id"), body.get("decision")
+    if not isinstance(approval_id, str) or not 1 <= len(approval_id) <= 64:
+        raise InvalidRequest("approval_id must be the id from the run's approval object",
+                             field="approval_id")
+    if decision not in approvals.DECISIONS:
+        raise InvalidRequest("decision must be 'approve' or 'deny'", field="decision")
+    run = approvals.decide(conn(), run_id, approval_id, decision,
+                           dispatch.in_transaction_enqueue(state().settings))
+    return jsonify(run_object(run))
