@@ -1,4 +1,4 @@
-"""``make bench``: the benchmarks of issues 2 and 3 (see bench/README.md), in one run.
+"""``make bench``: the benchmarks of issues 2, 3 and 5 (see bench/README.md), in one run.
 
 Section 1, admission (issue 2), one after another: (a) runstile's POST /v1/runs,
 (b) a minimal durable Flask+SQLite baseline under the same gunicorn setup, (c) the raw
@@ -9,13 +9,20 @@ SQLite (as DBOS sets it up, and in WAL mode), bare Dramatiq on Redis.  Runs/s fr
 first submission until every run completed, and idle submit -> start latency.  Floor:
 runstile >= 1.0 x DBOS on SQLite (the faster DBOS variant).
 
-Each section prints one table with ratios measured in this run and saves JSON under
-bench/results/.  The exit code is 1 if any floor fails, cannot be measured, or a run is
-invalid.
+Section 3, recovery (issue 5): ``runstile recover`` (a real subprocess) on a 100,000-run
+ledger with 1,000 runs whose owner died (expired leases), against DBOS's recovery of
+1,000 workflows left PENDING by a SIGKILLed application on SQLite (100,000 workflows).
+Items/s = 1,000 / the recovery's own seconds.  Floor: runstile >= 10 x DBOS on SQLite
+(the faster DBOS variant).
 
-Environment: BENCH_ONLY (admission | execution; both when unset), BENCH_SECONDS (10),
+Each section prints one table with ratios measured in this run and saves JSON under
+bench/results/.  The exit code is 1 if any floor that ran fails, cannot be measured, or
+a run is invalid.
+
+Environment: BENCH_ONLY (admission | execution | recovery; all when unset), BENCH_SECONDS (10),
 BENCH_WARMUP (2), BENCH_CLIENT_PROCESSES (4), BENCH_CLIENT_THREADS (4), BENCH_E2E_RUNS
-(2000), BENCH_LATENCY_RUNS (50), BENCH_EXEC_TARGETS, ... (all in bench/README.md);
+(2000), BENCH_LATENCY_RUNS (50), BENCH_EXEC_TARGETS, BENCH_RECOVERY_REPEATS (3), ... (all in
+bench/README.md);
 BENCH_KEEP=1 keeps the temporary data directories.
 """
 
@@ -33,11 +40,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import admission, execution  # noqa: E402
+from bench import admission, execution, recovery  # noqa: E402
 
 FLOOR = 0.8          # issue 2: runstile >= 0.8 x baseline (b)
 EXEC_FLOOR = 1.0     # issue 3: runstile end to end >= 1.0 x DBOS on SQLite
 START_AIM_MS = 20.0  # issue 3 aims at an idle submit -> start p50 <= 20 ms
+RECOVERY_FLOOR = 10.0  # issue 5: runstile recovery items/s >= 10 x DBOS on SQLite
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -177,8 +185,8 @@ def main() -> int:
     # A SIGTERM (e.g. from make or CI) unwinds like Ctrl-C so every server is killed.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     only = os.environ.get("BENCH_ONLY", "").strip()
-    if only not in ("", "admission", "execution"):
-        print("BENCH_ONLY must be 'admission' or 'execution'", file=sys.stderr)
+    if only not in ("", "admission", "execution", "recovery"):
+        print("BENCH_ONLY must be 'admission', 'execution' or 'recovery'", file=sys.stderr)
         return 2
     verdicts = {}
     if only in ("", "admission"):
@@ -187,6 +195,9 @@ def main() -> int:
     if only in ("", "execution"):
         print("\n== execution benchmark (issue 3) ==", flush=True)
         verdicts["execution (issue 3)"] = execution_section()
+    if only in ("", "recovery"):
+        print("\n== recovery benchmark (issue 5) ==", flush=True)
+        verdicts["recovery (issue 5)"] = recovery_section()
     print()
     for name, ok in verdicts.items():
         print(f"bench: {name}: {'PASS' if ok else 'NOT PASSED'}")
@@ -358,6 +369,183 @@ def execution_section() -> bool:
     out.write_text(text)
     (RESULTS / "latest-execution.json").write_text(text)
     print_exec_table(report)
+    return passed
+
+
+# ------------------------------------------------------------------ recovery (issue 5)
+
+RECOVERY_LABELS = {
+    "runstile": "(a) runstile recover (SQLite ledger)",
+    "dbos": "(b) DBOS, SQLite as DBOS sets it",
+    "dbos-wal": "(c) DBOS, SQLite WAL sync=FULL",
+}
+
+
+def _recovery_row(r: recovery.RecoveryResult) -> dict:
+    return {
+        "target": r.name,
+        "measured": r.measured,
+        "valid": r.valid,
+        "problem": r.reason,
+        "items": r.items,
+        "recovery_s": _round(r.recovery_s, 4),
+        "items_per_s": _round(r.items_per_s, 1),
+        "process_wall_s": _round(r.wall_s, 4),
+        "wall_items_per_s": _round(r.wall_items_per_s, 1),
+        "setup_s": _round(r.build_s, 1),
+        "checks": r.checks,
+        "config": r.config,
+    }
+
+
+def print_recovery_table(report: dict) -> None:
+    cfg = report["config"]
+    rows = {row["target"]: row for row in report["targets"]}
+    rs = rows.get("runstile")
+    rs_rate = rs["items_per_s"] if rs and rs["measured"] else None
+    rs_wall = rs["wall_items_per_s"] if rs and rs["measured"] else None
+    print()
+    print(f"recovery benchmark — {cfg['orphans']} runs / workflows whose owner died, in "
+          f"{cfg['runs']} runs / workflows; median of {cfg['repeats']} recoveries per target "
+          f"(each on a fresh copy); {cfg['cpus']} CPUs")
+    header = (f"{'target':<38} {'items':>6} {'seconds':>9} {'items/s':>9} "
+              f"{'runstile/this':>14} {'process wall s':>15} {'wall items/s':>13}")
+    print(header)
+    print("-" * len(header))
+    for name, label in RECOVERY_LABELS.items():
+        row = rows.get(name)
+        if row is None:
+            print(f"{label:<38} {'(skipped: BENCH_RECOVERY_TARGETS)':>30}")
+        elif not row["measured"]:
+            print(f"{label:<38} NOT MEASURED: {row['problem']}")
+        else:
+            ratio = None if name == "runstile" else _ratio(rs_rate or 0, row["items_per_s"] or 0)
+            print(f"{label:<38} {row['items']:>6} {_fmt(row['recovery_s'], '.3f'):>9} "
+                  f"{_fmt(row['items_per_s'], '.0f'):>9} "
+                  f"{('-' if name == 'runstile' else _fmt(ratio, '.2f')):>14} "
+                  f"{_fmt(row['process_wall_s'], '.2f'):>15} "
+                  f"{_fmt(row['wall_items_per_s'], '.0f'):>13}")
+    print("-" * len(header))
+    print("seconds: runstile = the pass's own duration_s (its JSON report); DBOS = the "
+          "_recover_pending_workflows call" + (" (queue thread running)." if any(
+              r["config"].get("queue_thread", "").startswith("running")
+              for r in report["targets"]) else " (its queue thread held back)."))
+    print("process wall s: spawn -> exit of the recovering process (interpreter, imports, "
+          "DBOS.launch() included).")
+    for key, label in (("runstile_over_dbos", "runstile / DBOS (items/s)"),
+                       ("runstile_over_dbos_wal", "runstile / DBOS WAL (items/s)"),
+                       ("wall_runstile_over_dbos", "runstile / DBOS (process wall)"),
+                       ("wall_runstile_over_dbos_wal", "runstile / DBOS WAL (process wall)")):
+        print(f"{label:<38} {_fmt(report['ratios'].get(key), '.2f')}")
+    if rs and rs["measured"]:
+        led = rs["config"].get("ledger", {})
+        print(f"runstile ledger: {led.get('runs_by_status')}, {led.get('events')} events, "
+              f"{led.get('idempotency_keys')} idempotency keys, {led.get('dispatches')} "
+              f"dispatches, broker messages {led.get('broker_messages_by_state')}, "
+              f"{led.get('file_mb')} MB")
+        passes = rs["config"].get("passes", [])
+        print("runstile passes: " + ", ".join(
+            f"{p['duration_s']:.3f} s (wall {p['wall_s']:.2f} s)" for p in passes))
+    for name in ("dbos", "dbos-wal"):
+        row = rows.get(name)
+        if row and row["measured"]:
+            sysdb = row["config"].get("system_database", {})
+            print(f"{name} system database: {sysdb.get('workflows_by_status')}, "
+                  f"{sysdb.get('file_mb')} MB; recoveries: " + ", ".join(
+                      f"{r['duration_s']:.3f} s (wall {r['wall_s']:.2f} s)"
+                      for r in row["config"].get("recoveries", [])))
+    for row in report["targets"]:
+        if row["measured"]:
+            check = "ok" if row["valid"] else f"INVALID ({row['problem']})"
+            what = ("exactly the orphaned runs changed (running -> interrupted, one "
+                    "run.interrupted event each), nothing else in the ledger"
+                    if row["target"] == "runstile" else
+                    "every workflow left PENDING re-enqueued, none left PENDING on the dead "
+                    "executor, completed workflows untouched")
+            print(f"check {row['target']}: {what} -> {check}")
+    if rs and rs["measured"]:
+        plans = rs["config"].get("query_plans") or []
+        if plans and "in_process_pass_s" in plans[0]:
+            print(f"where a pass's time goes, with query plans (one more pass on the same "
+                  f"ledger, in this process, every execute timed: "
+                  f"{plans[0]['duration_s']:.3f} s):")
+            for p in plans[1:]:
+                if p["ms"] < 0.5 and not p["plan"]:
+                    continue
+                print(f"  {p['ms']:>7.1f} ms {p['calls']:>5} x  {p['statement'][:90]}")
+                if p["plan"]:
+                    print(f"{'':>22}-> {' | '.join(p['plan'])}")
+        elif plans:
+            print(f"query plans: {plans[0]}")
+    floor = report["floor"]
+    print(f"floor (issue 5): {floor['rule']}: {floor['detail']} -> {floor['verdict']}")
+    print(f"saved {report['saved_to']}")
+
+
+def recovery_section() -> bool:
+    """Issue 5's benchmark; True when its floor passed on valid, measured recoveries."""
+    cfg = recovery.RecoverySettings.from_env()
+    print(f"bench: {cfg.orphans} orphaned runs in a {cfg.runs}-run ledger, median of "
+          f"{cfg.repeats} recoveries per target (override with BENCH_RECOVERY_RUNS / "
+          "BENCH_RECOVERY_REPEATS / BENCH_RECOVERY_TARGETS)", flush=True)
+    results = recovery.run_all(cfg, log=lambda line: print(line, flush=True))
+    by_name = {r.name: r for r in results}
+    rows = [_recovery_row(r) for r in results]
+
+    def rate(name: str, wall: bool = False) -> float | None:
+        r = by_name.get(name)
+        if r is None or not r.measured or not r.valid:
+            return None
+        return r.wall_items_per_s if wall else r.items_per_s
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    rs = by_name.get("runstile")
+    rs_rate = rate("runstile")
+    dbos_rates = {n: rate(n) for n in ("dbos", "dbos-wal") if rate(n) is not None}
+    rule = (f"runstile recovery items/s >= {RECOVERY_FLOOR:g} x DBOS on SQLite "
+            "(the faster DBOS variant)")
+    if rs is None or not rs.measured:
+        verdict, detail, passed = "NOT MEASURED", "runstile was not measured" + (
+            f" ({rs.reason})" if rs is not None and rs.reason else ""), False
+    elif not rs.valid:
+        verdict, detail, passed = "FAIL (INVALID)", f"runstile run invalid: {rs.reason}", False
+    elif not dbos_rates:
+        why = "; ".join(f"{n}: {by_name[n].reason}" for n in ("dbos", "dbos-wal")
+                        if n in by_name) or "no DBOS target selected"
+        verdict, detail, passed = "NOT MEASURED", f"no valid DBOS measurement ({why})", False
+    else:
+        best_name = max(dbos_rates, key=dbos_rates.get)
+        best = dbos_rates[best_name]
+        r = ratio(rs_rate, best)
+        passed = r is not None and r >= RECOVERY_FLOOR
+        verdict = "PASS" if passed else "FAIL"
+        detail = f"{rs_rate:.0f} / {best:.0f} ({best_name}) = {r:.2f}"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"recovery-{stamp}.json"
+    report = {
+        "benchmark": "recovery (issue 5)",
+        "time": stamp,
+        "config": {"runs": cfg.runs, "orphans": cfg.orphans, "queued": cfg.queued,
+                   "failed": cfg.failed, "completed": cfg.completed, "repeats": cfg.repeats,
+                   "cpus": os.cpu_count(), "python": platform.python_version(),
+                   "sqlite": sqlite3.sqlite_version, "platform": platform.platform()},
+        "targets": rows,
+        "ratios": {
+            "runstile_over_dbos": ratio(rs_rate, rate("dbos")),
+            "runstile_over_dbos_wal": ratio(rs_rate, rate("dbos-wal")),
+            "wall_runstile_over_dbos": ratio(rate("runstile", True), rate("dbos", True)),
+            "wall_runstile_over_dbos_wal": ratio(rate("runstile", True), rate("dbos-wal", True)),
+        },
+        "floor": {"rule": rule, "passed": passed, "verdict": verdict, "detail": detail},
+        "saved_to": str(out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out),
+    }
+    text = json.dumps(report, indent=2) + "\n"
+    out.write_text(text)
+    (RESULTS / "latest-recovery.json").write_text(text)
+    print_recovery_table(report)
     return passed
 
 
