@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import os
 import socket
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -62,9 +63,17 @@ def _synchronous(raw: str) -> str:
 
 def _broker_url(raw: str) -> str:
     value = raw.strip()
-    if value == "sqlite" or value.startswith(("redis://", "rediss://", "amqp://", "amqps://")):
+    if value == "sqlite":
         return value
-    raise ValueError("must be 'sqlite', a redis:// URL or an amqp:// URL")
+    # RabbitMQ accepts several URLs separated by ';' (Dramatiq tries them in turn).
+    amqp = value.startswith(("amqp://", "amqps://"))
+    for url in value.split(";") if amqp else [value]:
+        parts = urllib.parse.urlsplit(url.strip())
+        schemes = ("amqp", "amqps") if amqp else ("redis", "rediss")
+        if parts.scheme not in schemes or not parts.hostname:
+            raise ValueError("must be 'sqlite', a redis:// URL or an amqp:// URL with a host")
+        parts.port  # raises ValueError for a port that is not a number in 0-65535
+    return value
 
 
 def _tasks(raw: str) -> tuple[str, ...]:
@@ -228,11 +237,6 @@ class Settings:
             )
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is outside 1-65535")
-        if self.broker_url != "sqlite":
-            # Publishing to Redis/RabbitMQ after commit is not built yet; accepting the
-            # URL would admit runs that never reach a worker.
-            raise ConfigError(f"RUNSTILE_BROKER_URL={self.broker_url!r}: only the embedded "
-                              "broker ('sqlite') is supported so far")
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -4,18 +4,32 @@ The web tier and recovery publish through here and never import ``workers.actors
 (decorating an actor binds it to a broker).  On the embedded broker the message row is
 written inside the caller's transaction (the admission's own), so a committed run
 always has its message and a rolled-back one never does.
+
+With Redis or RabbitMQ (SPEC §5 "Brokers") a message cannot join an SQLite transaction.
+The transaction writes an unsent dispatch record instead; after the commit the caller
+publishes it here and marks it sent (one guarded UPDATE).  A publish that fails never
+fails the caller: the record stays unsent and recovery publishes it later (§6.2 step 4),
+as it re-publishes runs left queued long after their dispatch (a broker restarted empty
+loses messages).  Duplicates are harmless: the claim lets one execution through.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
+import threading
 import time
+from typing import Any, Callable, Sequence
 
 import dramatiq
 
 from .config import Settings
-from .ledger import broker_queue
+from .errors import RunstileError
+from .ledger import broker_queue, dispatches
 from .ledger.runs import Enqueue
+
+log = logging.getLogger("runstile.dispatch")
 
 #: The one queue runs travel on, and the actor that executes them.
 QUEUE = "runstile"
@@ -50,3 +64,152 @@ def in_transaction_enqueue(settings: Settings, *, delay_s: float = 0.0) -> Enque
                                     message.encode(), eta=eta_ms / 1000, run_id=run["id"])
 
     return delayed
+
+
+# ------------------------------------------------------------ Redis and RabbitMQ
+
+#: Seconds a publishing connection may take to connect or to answer; bounds how long an
+#: unreachable broker can hold a request thread.
+PUBLISH_TIMEOUT_S = 5.0
+#: Seconds a process leaves its broker alone after a failed publish: while the broker is
+#: down, admissions answer at once and their records wait, unsent, for recovery.
+PUBLISH_PAUSE_S = 2.0
+#: Unsent records one :func:`publish_pending` call publishes at most.
+PENDING_BATCH = 200
+
+
+def external_broker(url: str, *, middleware: list, publishing: bool = False) -> dramatiq.Broker:
+    """Dramatiq's Redis or RabbitMQ broker for ``url`` (workers consume through it too).
+
+    ``publishing``: for a process that only publishes — bounded socket timeouts, and
+    RabbitMQ publisher confirms, so that "sent" means the broker took the message.
+    """
+    if url.startswith(("redis://", "rediss://")):
+        from dramatiq.brokers.redis import RedisBroker
+        if not publishing:
+            return RedisBroker(url=url, middleware=middleware)
+        import redis
+        client = redis.Redis.from_url(url, socket_connect_timeout=PUBLISH_TIMEOUT_S,
+                                      socket_timeout=PUBLISH_TIMEOUT_S)
+        return RedisBroker(client=client, middleware=middleware)
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    broker = RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=publishing)
+    if publishing:
+        parameters = broker.parameters
+        for params in parameters if isinstance(parameters, list) else [parameters]:
+            params.connection_attempts = 1
+            params.socket_timeout = PUBLISH_TIMEOUT_S
+            params.stack_timeout = PUBLISH_TIMEOUT_S
+            # A broker under a resource alarm blocks publishers; never wait forever.
+            params.blocked_connection_timeout = PUBLISH_TIMEOUT_S
+    return broker
+
+
+class Publisher:
+    """Publishes runs' messages to Redis/RabbitMQ; one per process (:func:`publisher_for`).
+
+    The Dramatiq broker is created on first use in the process that uses it (its
+    connections never cross a fork) and has no middleware: publishing needs none.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._broker: dramatiq.Broker | None = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+        self._paused_until = 0.0
+
+    @property
+    def broker(self) -> dramatiq.Broker:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._broker = external_broker(self.settings.broker_url, middleware=[],
+                                                   publishing=True)
+                    self._pid = os.getpid()
+        return self._broker
+
+    def send(self, run_id: str, dispatch_id: int, *, delay_s: float = 0.0) -> bool:
+        """Publish one message; True if the broker took it.  Never raises."""
+        if time.monotonic() < self._paused_until:
+            return False
+        delay_ms = int(delay_s * 1000)
+        try:
+            self.broker.enqueue(message_for(run_id, dispatch_id), delay=delay_ms or None)
+        except Exception as exc:  # any broker or network failure: recovery publishes it
+            self._paused_until = time.monotonic() + PUBLISH_PAUSE_S
+            log.warning("run %s: publishing dispatch %s failed (%s: %s); it stays unsent "
+                        "until recovery publishes it", run_id, dispatch_id,
+                        type(exc).__name__, exc)
+            return False
+        return True
+
+
+_publishers: dict[str, Publisher] = {}
+_publishers_guard = threading.Lock()
+
+
+def publisher_for(settings: Settings) -> Publisher | None:
+    """This process's publisher for the configured broker; None for the embedded one."""
+    if settings.broker_url == "sqlite":
+        return None
+    with _publishers_guard:
+        publisher = _publishers.get(settings.broker_url)
+        if publisher is None:
+            publisher = _publishers[settings.broker_url] = Publisher(settings)
+        return publisher
+
+
+def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
+            dispatch_id: int, *, delay_s: float = 0.0,
+            mark: Callable[[Callable[[sqlite3.Connection], Any]], Any] | None = None) -> bool:
+    """After the commit that wrote dispatch record ``dispatch_id``: publish it, then mark
+    it sent.  True if the broker took the message.  Never raises: an admission or a
+    re-queue stands whatever happens here (an unsent or unmarked record is published
+    again by recovery, and the duplicate is harmless).
+
+    ``mark`` runs the marking unit instead of ``conn`` (the web passes its group
+    committer, so the marks share the admissions' transactions).
+    """
+    publisher = publisher_for(settings)
+    if publisher is None or not publisher.send(run_id, dispatch_id, delay_s=delay_s):
+        return False
+    def work(c: sqlite3.Connection) -> bool:
+        return dispatches.mark_sent(c, dispatch_id, live_in_s=delay_s)
+
+    try:
+        if mark is not None:
+            mark(work)
+        else:
+            work(conn)
+    except RunstileError as exc:
+        log.warning("run %s: dispatch %s was published but could not be marked sent (%s); "
+                    "recovery will publish it again", run_id, dispatch_id, exc.message)
+    return True
+
+
+def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
+                    limit: int = PENDING_BATCH, older_than_s: float = 0.0,
+                    created_since: float | None = None, run_ids: Sequence[str] | None = None,
+                    session: tuple[str, str, str] | None = None,
+                    delay_s: float = 0.0) -> int:
+    """Publish up to ``limit`` unsent dispatch records of queued runs (filters as in
+    ``ledger.dispatches.unsent``), oldest first; returns how many the broker took.
+    Called right after transactions that re-queue without an in-transaction enqueue, and
+    by recovery.  Stops at the first failed publish.  Never raises."""
+    if publisher_for(settings) is None:
+        return 0
+    try:
+        pending = dispatches.unsent(conn, limit=limit, older_than_s=older_than_s,
+                                    created_since=created_since, run_ids=run_ids,
+                                    session=session)
+    except RunstileError as exc:
+        log.warning("could not read unsent dispatch records (%s); recovery retries",
+                    exc.message)
+        return 0
+    published = 0
+    for dispatch_id, run_id in pending:
+        if not publish(settings, conn, run_id, dispatch_id, delay_s=delay_s):
+            break
+        published += 1
+    return published

@@ -42,6 +42,9 @@ class AdmissionRequest:
 class Admitted:
     run: dict
     replayed: bool
+    #: The dispatch record a new run was created with (None for a replay): brokers
+    #: published to after commit publish exactly this record.
+    dispatch_id: int | None = None
 
 
 #: Called inside the admission transaction after the run row exists, so that an embedded
@@ -140,9 +143,9 @@ def _reserve(conn, req: AdmissionRequest, refusal, max_active_runs, enqueue) -> 
     run = dict(row)
     if req.key is not None:
         _bind_key(conn, req, run_id)
-    add_dispatch(conn, run, "admitted", enqueue)
+    dispatch_id = add_dispatch(conn, run, "admitted", enqueue)
     events.append_first(conn, run_id, "run.queued", {"attempt": 1})
-    return Admitted(run, replayed=False)
+    return Admitted(run, replayed=False, dispatch_id=dispatch_id)
 
 
 def _bind_key(conn, req: AdmissionRequest, run_id: str) -> None:

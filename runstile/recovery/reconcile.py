@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import crashpoints, dispatch
 from ..config import Settings
-from ..ledger import broker_queue, db, migrations, recovery, retention, sessions
+from ..ledger import broker_queue, db, dispatches, migrations, recovery, retention, sessions
 from ..workers import registry
 
 log = logging.getLogger("runstile.recovery")
@@ -24,6 +24,12 @@ log = logging.getLogger("runstile.recovery")
 BATCH = 200
 #: A queued run idle this many leases without a live message is re-published.
 REPUBLISH_AFTER_LEASES = 2
+#: Seconds an unsent dispatch record is left to the process that wrote it before a
+#: scheduled pass publishes it (Redis/RabbitMQ; boot and `runstile recover` publish
+#: every one).
+UNSENT_GRACE_S = 5.0
+#: Publishing batches one pass may do (the rest waits for the next pass).
+MAX_PUBLISH_BATCHES = 20
 #: Retention batches one pass may purge (the rest waits for the next pass).
 MAX_PURGE_BATCHES = 20
 
@@ -77,8 +83,11 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                     crashpoints.hit(settings, "mid_recovery")
             if len(batch) < BATCH:
                 break
-        # 4. Re-publish runs still queued long after dispatch without a live message.
-        if enqueue is not None:
+        # 4. Re-publish unsent dispatch records, and runs still queued long after their
+        #    dispatch without a live message (a broker can lose messages).
+        if enqueue is None:
+            _republish_external(settings, conn, report, trigger=trigger, since=started_at)
+        else:
             while True:
                 with db.transaction(conn):
                     stale = recovery.stranded_queued(
@@ -118,6 +127,35 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     log.info("recovery (%s, generation %d): %s in %.3fs", trigger, generation,
              report.as_dict()["counts"] or "nothing to do", report.duration_s)
     return report
+
+
+def _republish_external(settings: Settings, conn, report: Report, *, trigger: str,
+                        since: float) -> None:
+    """Step 4 for Redis/RabbitMQ, which cannot be looked into.  First the unsent records:
+    every one at boot and on `runstile recover`; in a scheduled pass those older than
+    UNSENT_GRACE_S (younger ones are being published by whoever wrote them) or written
+    by this pass (step 3's re-queues).  Then queued runs whose dispatch went out
+    REPUBLISH_AFTER_LEASES leases ago and which are still not claimed get a new record,
+    published (a duplicate is harmless)."""
+    grace_s = UNSENT_GRACE_S if trigger == "scheduled" else 0.0
+    for _ in range(MAX_PUBLISH_BATCHES):
+        published = dispatch.publish_pending(settings, conn, limit=BATCH, older_than_s=grace_s,
+                                             created_since=since)
+        report.counts["published"] += published
+        if published < BATCH:
+            break
+    for _ in range(MAX_PUBLISH_BATCHES):
+        with db.transaction(conn):
+            lost = dispatches.lost_queued(
+                conn, older_than_s=REPUBLISH_AFTER_LEASES * settings.lease_s, limit=BATCH)
+            run_ids = [run["id"] for run in lost if recovery.republish(conn, run, None)]
+        for run_id in run_ids:
+            log.info("run %s: still queued long after its dispatch; re-published", run_id)
+        report.counts["republished"] += len(run_ids)
+        report.counts["published"] += dispatch.publish_pending(settings, conn, limit=BATCH,
+                                                               run_ids=run_ids)
+        if len(lost) < BATCH:
+            break
 
 
 def boot(settings: Settings, generation: int) -> Report:

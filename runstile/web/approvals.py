@@ -36,4 +36,5 @@ def decide(run_id: str):
         raise InvalidRequest("decision must be 'approve' or 'deny'", field="decision")
     run = approvals.decide(conn(), run_id, approval_id, decision,
                            dispatch.in_transaction_enqueue(state().settings))
+    dispatch.publish_pending(state().settings, conn(), run_ids=[run_id])  # Redis/RabbitMQ
     return jsonify(run_object(run))

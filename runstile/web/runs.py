@@ -48,6 +48,12 @@ def create_run():
                               enqueue=dispatch.in_transaction_enqueue(settings),
                               committer=state().committer)
         crashpoints.hit(settings, "after_admit_commit")
+        if not admitted.replayed:
+            # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
+            # the embedded broker, whose message committed with it).  Never raises: a
+            # failed publish leaves the record unsent for recovery, and the 202 stands.
+            dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
+                             mark=state().committer.run)
         outcome = "replayed" if admitted.replayed else "created"
     except RunstileError as exc:
         outcome = exc.code
@@ -80,6 +86,11 @@ def stop_run(run_id: str):
     if stopped is None:
         raise RunNotFound("no such run")
     run, settled = stopped
+    if settled and run["session_key"] is not None:
+        # Cancelling a waiting run may free its session: publish the next run's dispatch
+        # (Redis/RabbitMQ; the embedded broker's message committed with the stop).
+        dispatch.publish_pending(state().settings, conn(), session=(
+            run["profile_id"], run["key_id"], run["session_key"]))
     response = jsonify(run_object(run))
     response.status_code = 200 if settled else 202
     return response
@@ -95,6 +106,7 @@ def resume_run(run_id: str):
     if resumed is None:
         current = runs.get_visible(conn(), principal(), run_id) or run
         raise RunNotPaused(f"the run is {current['status']}, not paused", run_status=current["status"])
+    dispatch.publish_pending(state().settings, conn(), run_ids=[run_id])  # Redis/RabbitMQ
     return jsonify(run_object(resumed))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dramatiq
 
+from .. import dispatch
 from ..config import Settings
 
 
@@ -23,8 +24,5 @@ def make_broker(settings: Settings) -> dramatiq.Broker:
         from .sqlite_broker import SQLiteBroker
         return SQLiteBroker(settings.ledger_path, synchronous=settings.synchronous,
                             busy_timeout_ms=settings.busy_timeout_ms, middleware=middleware())
-    if url.startswith(("redis://", "rediss://")):
-        from dramatiq.brokers.redis import RedisBroker
-        return RedisBroker(url=url, middleware=middleware())
-    from dramatiq.brokers.rabbitmq import RabbitmqBroker
-    return RabbitmqBroker(url=url, middleware=middleware())
+    # Redis or RabbitMQ: built in dispatch.py, which the web and recovery publish with.
+    return dispatch.external_broker(url, middleware=middleware())

@@ -48,12 +48,21 @@ def test_flags_override_the_environment():
     ("RUNSTILE_NODE_ID", "has space"), ("RUNSTILE_CRASHPOINT", "nowhere"),
     ("RUNSTILE_RUN_RETENTION_S", "-5"), ("RUNSTILE_MAX_BODY_BYTES", "1.5"),
     ("RUNSTILE_HOST", " "), ("RUNSTILE_DATA_DIR", ""),
-    ("RUNSTILE_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    ("RUNSTILE_BROKER_URL", "redis://"), ("RUNSTILE_BROKER_URL", "redis://h:99999"),
+    ("RUNSTILE_BROKER_URL", "amqp://h;redis://h"),
 ])
 def test_an_invalid_value_is_refused_naming_the_variable(name, value):
     with pytest.raises(ConfigError) as info:
         Settings.from_env({name: value})
     assert name in info.value.message
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://cache.internal:6380",
+                                 "amqp://guest:guest@127.0.0.1:5672/%2F",
+                                 "amqps://mq.internal", "amqp://a:5672;amqp://b:5672"])
+def test_redis_and_rabbitmq_urls_are_accepted(url):
+    # Published to after commit and re-published by recovery (SPEC §5 "Brokers").
+    assert Settings.from_env({"RUNSTILE_BROKER_URL": f" {url} "}).broker_url == url
 
 
 def test_the_heartbeat_must_be_shorter_than_the_lease():

@@ -1,0 +1,93 @@
+"""Dispatch records for brokers published to after commit (Redis, RabbitMQ; SPEC §5).
+
+A dispatch row is written in the transaction that makes a run claimable (admission,
+re-queue, a session's next run; ``runs.add_dispatch``).  With the embedded broker it is
+born sent.  With Redis or RabbitMQ the message can only be published once that
+transaction has committed, so the row starts unsent; ``dispatch.py`` publishes it and
+then marks it with :func:`mark_sent`.  Whatever is lost between the two steps (a failed
+publish, a crash, a broker that restarted empty) is found again here by recovery
+(SPEC §6.2 step 4).  A duplicate message is harmless: the claim lets one execution in.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Sequence
+
+from . import db
+from .db import NOW
+
+#: A queued run of a session may be claimed only when nothing holds its session and it
+#: is the session's head: resumed runs first, then admission order (SPEC §5).  Recovery
+#: re-publishes only such runs; the others wait for whatever frees their session.
+_CLAIMABLE = (
+    "(r.session_key IS NULL OR (NOT EXISTS (SELECT 1 FROM runs h WHERE "
+    "h.profile_id = r.profile_id AND h.key_id = r.key_id AND h.session_key = r.session_key "
+    "AND h.status IN ('running', 'stopping', 'waiting_for_approval')) AND NOT EXISTS "
+    "(SELECT 1 FROM runs q WHERE q.profile_id = r.profile_id AND q.key_id = r.key_id AND "
+    "q.session_key = r.session_key AND q.status = 'queued' AND q.id != r.id AND "
+    "((q.recovery_reason IS 'resumed') > (r.recovery_reason IS 'resumed') OR "
+    "((q.recovery_reason IS 'resumed') = (r.recovery_reason IS 'resumed') AND q.seq < r.seq)))))")
+
+
+def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
+           created_since: float | None = None, run_ids: Sequence[str] | None = None,
+           session: tuple[str, str, str] | None = None) -> list[tuple[int, str]]:
+    """``(dispatch id, run id)`` of unsent records whose run is still queued, oldest first.
+
+    ``older_than_s`` leaves alone records a publisher is probably handling right now;
+    ``created_since`` (a ledger time) brings back younger ones anyway (those a recovery
+    pass wrote itself).  ``run_ids`` / ``session`` (profile, key id, session key) narrow
+    the search to what one transition just made claimable.
+    """
+    clauses, args = ["d.sent_at IS NULL", "r.status = 'queued'"], []
+    if created_since is None:
+        clauses.append(f"d.created_at <= {NOW} - ?")
+        args.append(older_than_s)
+    else:
+        clauses.append(f"(d.created_at <= {NOW} - ? OR d.created_at >= ?)")
+        args += [older_than_s, created_since]
+    if run_ids is not None:
+        if not run_ids:
+            return []
+        clauses.append(f"d.run_id IN ({', '.join('?' for _ in run_ids)})")
+        args += list(run_ids)
+    if session is not None:
+        clauses.append("r.profile_id = ? AND r.key_id = ? AND r.session_key = ?")
+        args += list(session)
+    with db.ledger_errors():
+        rows = conn.execute(
+            "SELECT d.id, d.run_id FROM dispatches d JOIN runs r ON r.id = d.run_id "
+            f"WHERE {' AND '.join(clauses)} ORDER BY d.created_at, d.id LIMIT ?",
+            (*args, limit)).fetchall()
+    return [(row[0], row[1]) for row in rows]
+
+
+def mark_sent(conn: sqlite3.Connection, dispatch_id: int, *, live_in_s: float = 0.0) -> bool:
+    """Record that the broker accepted the record's message: one guarded UPDATE; False
+    if it was already marked (another publisher won) or is gone with its run.
+
+    ``live_in_s`` is a delayed message's delay: ``sent_at`` is when the message becomes
+    deliverable, so recovery's wait for a lost message starts from there.
+    """
+    with db.transaction(conn):
+        row = conn.execute(f"UPDATE dispatches SET sent_at = {NOW} + ? "
+                           "WHERE id = ? AND sent_at IS NULL RETURNING id",
+                           (live_in_s, dispatch_id)).fetchone()
+    return row is not None
+
+
+def lost_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) -> list[dict]:
+    """Queued runs that could be claimed now, but whose every dispatch went to the broker
+    more than ``older_than_s`` ago: their message was probably lost (a broker restarted
+    empty, a queue purged).  Redis and RabbitMQ cannot be looked into, so the record's
+    age is the evidence; the embedded broker's check is ``recovery.stranded_queued``.
+    A run with an unsent record is left to whoever publishes that record (no pile of
+    new records while a broker is down)."""
+    with db.ledger_errors():
+        rows = conn.execute(
+            f"SELECT r.* FROM runs r WHERE r.status = 'queued' AND r.updated_at <= {NOW} - ? "
+            "AND NOT EXISTS (SELECT 1 FROM dispatches d WHERE d.run_id = r.id AND "
+            f"(d.sent_at IS NULL OR d.sent_at > {NOW} - ?)) AND {_CLAIMABLE} "
+            "ORDER BY r.updated_at LIMIT ?", (older_than_s, older_than_s, limit)).fetchall()
+    return [dict(r) for r in rows]

@@ -1,0 +1,425 @@
+"""One broker contract, three brokers: embedded (SQLite), Redis and RabbitMQ (SPEC §5).
+
+Every case runs a real deployment: ``runstile up`` on the embedded broker; ``runstile
+serve`` + ``runstile worker`` with ``RUNSTILE_BROKER_URL`` for Redis and RabbitMQ (DESIGN
+§3 "contract suites", after huey's StorageTests).  Executions are counted in an external
+log file, never in the ledger.
+
+Brokers: Redis is a ``redis-server`` of the test's own (no persistence), so it can be
+stopped and restarted empty without touching the shared one.  RabbitMQ is the machine's
+shared server (no vhost of our own): the test purges runstile's queues before and after,
+and a purge stands in for "restarted empty".  Broker fixtures skip locally and fail under
+CI when the machine's broker is missing (conftest.broker_available).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from runstile import dispatch
+from runstile.config import Settings
+from runstile.ledger import broker_queue, db
+from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, _group_alive,
+                            broker_available, free_port, wait_until)
+
+TASKS = "tests.workers.exec_tasks,runstile.demo"
+#: Short leases so that recovery's "queued long after dispatch" (2 leases) comes in 4 s.
+FAST = {"RUNSTILE_LEASE_S": "2", "RUNSTILE_HEARTBEAT_S": "0.5",
+        "RUNSTILE_RECOVERY_INTERVAL_S": "0.5", "RUNSTILE_DRAIN_TIMEOUT_S": "2",
+        "RUNSTILE_TASKS": TASKS}
+#: Default leases: nothing is re-published while a slow machine works through a batch.
+STEADY = {"RUNSTILE_LEASE_S": "15", "RUNSTILE_HEARTBEAT_S": "5"}
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+# -- brokers ----------------------------------------------------------------------------
+
+class EmbeddedBroker:
+    kind, url = "embedded", "sqlite"
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def duplicate(self, run_id: str, dispatch_id: int) -> None:
+        """One more message for the run, as a broker redelivery or a double publish."""
+        message = dispatch.message_for(run_id, dispatch_id)
+        conn = self.ledger.connect()
+        try:
+            with db.transaction(conn):
+                broker_queue.insert_message(conn, dispatch.QUEUE, message.message_id,
+                                            message.encode(), run_id=run_id)
+        finally:
+            conn.close()
+
+    def lose_messages(self) -> int:
+        conn = self.ledger.connect()
+        try:
+            with db.transaction(conn):
+                return conn.execute("DELETE FROM broker_messages").rowcount
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        pass
+
+
+class ExternalBroker:
+    """Redis or RabbitMQ: duplicates are published from here, like a second publisher."""
+
+    kind: str
+    url: str
+    _publisher: dispatch.Publisher | None = None
+
+    def duplicate(self, run_id: str, dispatch_id: int) -> None:
+        if self._publisher is None:
+            self._publisher = dispatch.Publisher(
+                Settings.from_env({"RUNSTILE_BROKER_URL": self.url}))
+        assert self._publisher.send(run_id, dispatch_id)
+
+
+class OwnRedis(ExternalBroker):
+    """A redis-server of this test's own, without persistence: a restart empties it."""
+
+    kind = "redis"
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port, self.proc = folder, free_port(), None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "OwnRedis":
+        log = open(self.folder / f"redis-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.folder)], stdout=log, stderr=log)
+        log.close()
+        import redis
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+
+        def answers() -> bool:
+            try:
+                return client.ping()
+            except redis.RedisError:
+                return False
+        wait_until(answers, 10, 0.05, f"redis-server on {self.port}")
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def lose_messages(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+
+
+class SharedRabbitmq(ExternalBroker):
+    kind, url = "rabbitmq", RABBITMQ_URL
+
+    def purge(self) -> None:
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+        broker = RabbitmqBroker(url=self.url, middleware=[])
+        try:
+            broker.declare_queue(dispatch.QUEUE)
+            broker.flush_all()  # the queue, its delay queue and its dead letters
+        finally:
+            broker.close()
+
+    def lose_messages(self) -> None:
+        self.purge()
+
+    def close(self) -> None:
+        self.purge()
+
+
+@pytest.fixture
+def broker(request, ledger, tmp_path):
+    kind = request.param
+    if kind == "embedded":
+        made = EmbeddedBroker(ledger)
+    elif kind == "redis":
+        broker_available("redis")
+        if shutil.which("redis-server") is None:
+            message = "redis-server is not installed (the suite starts one of its own)"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        made = OwnRedis(tmp_path).start()
+    else:
+        broker_available("rabbitmq")
+        made = SharedRabbitmq()
+        made.purge()
+    yield made
+    made.close()
+
+
+ALL = [pytest.param("embedded"), pytest.param("redis", marks=pytest.mark.broker),
+       pytest.param("rabbitmq", marks=pytest.mark.broker)]
+EXTERNAL = ALL[1:]
+
+
+# -- deployments ------------------------------------------------------------------------
+
+@dataclass
+class Workers:
+    """A real ``runstile worker`` (supervisor, boot recovery, worker processes)."""
+
+    data_dir: Path
+    env: dict
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self) -> "Workers":
+        env = {**os.environ, **self.env}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.log_path = self.data_dir.parent / f"worker-{time.monotonic_ns()}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [*RUNSTILE, "worker", "--data-dir", str(self.data_dir), "--workers", "2",
+             "--threads", "4"], env=env, stdout=log, stderr=log, start_new_session=True,
+            cwd=ROOT)
+        log.close()
+        wait_until(self._up, 30, 0.05, "runstile worker to boot")
+        return self
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+        return "runstile workers up" in self.log()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        wait_until(lambda: not _group_alive(self.proc.pid), 10, 0.05, "worker group to exit")
+        self.proc = None
+
+
+@dataclass
+class Deployment:
+    """Web + workers on one ledger and one broker; the embedded one is ``runstile up``."""
+
+    broker: object
+    ledger: Ledger
+    env: dict
+    web_env: dict = field(default_factory=dict)
+    web: Server | None = None
+    workers: Workers | None = None
+    logs: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.env = {**FAST, **self.env, "RUNSTILE_BROKER_URL": self.broker.url}
+        self.key = self.ledger.key()
+
+    @property
+    def embedded(self) -> bool:
+        return self.broker.kind == "embedded"
+
+    def start(self) -> "Deployment":
+        if self.embedded:
+            self.web = System(self.ledger.data_dir, self.env, web_workers=1).start()
+            self.logs.append(self.web)
+        else:
+            self.start_workers()
+            self.web = Server(self.ledger.data_dir, {**self.env, **self.web_env},
+                              web_workers=1).start()
+        return self
+
+    @property
+    def api(self) -> Api:
+        return Api(self.web, self.key, self.ledger)
+
+    def stop_workers(self) -> None:
+        """No worker consumes any more; the web keeps admitting (for ``up``: a plain
+        ``serve`` takes its place on the same ledger)."""
+        if self.embedded:
+            self.web.stop()
+            self.web = Server(self.ledger.data_dir, self.env, web_workers=1).start()
+        else:
+            self.workers.kill(signal.SIGTERM)
+
+    def start_workers(self) -> None:
+        if self.embedded:
+            self.web.stop()
+            self.web = System(self.ledger.data_dir, self.env, web_workers=1).start()
+            self.logs.append(self.web)
+        else:
+            self.workers = Workers(self.ledger.data_dir, self.env).start()
+            self.logs.append(self.workers)
+
+    def worker_log(self) -> str:
+        return "".join(part.log() for part in self.logs)
+
+    def close(self) -> None:
+        for part in (self.web, self.workers):
+            if part is not None:
+                part.kill()
+
+
+@pytest.fixture
+def deploy(broker, ledger):
+    made: list[Deployment] = []
+
+    def make(env: dict | None = None, web_env: dict | None = None) -> Deployment:
+        deployment = Deployment(broker, ledger, env or {}, web_env or {})
+        made.append(deployment)
+        return deployment.start()
+
+    yield make
+    for deployment in made:
+        deployment.close()
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+def starts_by_run(path: Path) -> collections.Counter:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    return collections.Counter(line.split()[1] for line in lines if line.startswith("start "))
+
+
+def submit(api: Api, log: Path, count: int) -> list[str]:
+    ids = []
+    for i in range(count):
+        response = api.post_run({"task": "t.log_start", "input": {"log": str(log), "n": i}})
+        assert response.status_code == 202, response.text
+        assert response.json()["status"] in ("queued", "running", "completed")
+        ids.append(response.json()["id"])
+    return ids
+
+
+def statuses(ledger: Ledger) -> dict:
+    return dict(ledger.query("SELECT status, COUNT(*) FROM runs GROUP BY status"))
+
+
+def wait_completed(ledger: Ledger, count: int, timeout_s: float = 90) -> None:
+    wait_until(lambda: statuses(ledger) == {"completed": count}, timeout_s, 0.1,
+               f"{count} runs to complete")
+
+
+def assert_one_start_each(log: Path, ids: list[str]) -> None:
+    starts = starts_by_run(log)
+    assert set(starts) == set(ids)
+    assert set(starts.values()) == {1}, {rid: n for rid, n in starts.items() if n != 1}
+
+
+def unsent(ledger: Ledger) -> int:
+    return ledger.query("SELECT COUNT(*) FROM dispatches WHERE sent_at IS NULL")[0][0]
+
+
+def recover(deployment: Deployment, env: dict) -> dict:
+    """``runstile recover --json`` (one pass, as cron would run it); its report."""
+    done = subprocess.run(
+        [*RUNSTILE, "recover", "--json", "--data-dir", str(deployment.ledger.data_dir)],
+        env={**os.environ, **deployment.env, **env}, cwd=ROOT, capture_output=True,
+        text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the contract -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("broker", ALL, indirect=True)
+def test_50_runs_complete_with_one_start_each(deploy, ledger, tmp_path):
+    deployment = deploy(STEADY)
+    log = tmp_path / "executions.log"
+    ids = submit(deployment.api, log, 50)
+    wait_completed(ledger, 50)
+    assert_one_start_each(log, ids)
+    # Every dispatch record reached the broker and was marked sent (for Redis/RabbitMQ by
+    # the web, after the commit); one record per run, none re-published.
+    assert unsent(ledger) == 0
+    assert ledger.query("SELECT COUNT(*), COUNT(DISTINCT run_id) FROM dispatches") == [(50, 50)]
+
+
+@pytest.mark.parametrize("broker", ALL, indirect=True)
+def test_every_message_published_twice_still_executes_each_run_once(deploy, broker, ledger,
+                                                                    tmp_path):
+    deployment = deploy()
+    log = tmp_path / "executions.log"
+    ids = []
+    for rid in submit(deployment.api, log, 30):
+        # Right behind the original, while the run is still queued: the two race.
+        (dispatch_id,) = ledger.query("SELECT id FROM dispatches WHERE run_id = ?", (rid,))[0]
+        broker.duplicate(rid, dispatch_id)
+        ids.append(rid)
+    wait_completed(ledger, 30)
+    # Each run's second message is consumed and loses its claim: a logged no-op.
+    wait_until(lambda: deployment.worker_log().count("claim lost") >= 30, 30, 0.1,
+               "every duplicate to lose its claim")
+    assert_one_start_each(log, ids)
+    assert ledger.query("SELECT COUNT(*) FROM events WHERE type = 'run.started'") == [(30,)]
+
+
+@pytest.mark.parametrize("broker", EXTERNAL, indirect=True)
+def test_a_failed_publish_still_answers_202_and_recovery_publishes_the_run(deploy, broker,
+                                                                         ledger, tmp_path):
+    # No scheduled pass: the one-shot `runstile recover` (cron) does the re-publishing.
+    quiet = {"RUNSTILE_RECOVERY_INTERVAL_S": "3600"}
+    if broker.kind == "redis":
+        deployment = deploy(quiet)
+        broker.stop()  # the broker goes away under a running deployment
+    else:
+        # The shared RabbitMQ cannot be stopped: the web publishes to a closed port.
+        deployment = deploy(quiet, web_env={
+            "RUNSTILE_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F"})
+    log = tmp_path / "executions.log"
+    started = time.monotonic()
+    ids = submit(deployment.api, log, 20)
+    assert time.monotonic() - started < 15, "a down broker must not hold admissions"
+    assert unsent(ledger) == 20, "each record stays unsent, waiting for recovery"
+    assert statuses(ledger) == {"queued": 20}
+    if broker.kind == "redis":
+        broker.start()  # back, empty
+    report = recover(deployment, quiet)
+    assert report["counts"].get("published") == 20
+    wait_completed(ledger, 20)
+    assert_one_start_each(log, ids)
+    assert unsent(ledger) == 0
+
+
+@pytest.mark.parametrize("broker", ALL, indirect=True)
+def test_messages_lost_by_the_broker_are_republished_and_run_once(deploy, broker, ledger,
+                                                                tmp_path):
+    deployment = deploy()
+    deployment.stop_workers()
+    log = tmp_path / "executions.log"
+    ids = submit(deployment.api, log, 20)
+    assert unsent(ledger) == 0, "every message reached the broker"
+    broker.lose_messages()  # Redis restarted without persistence; RabbitMQ purged
+    deployment.start_workers()
+    # Nothing is left to consume; the scheduled pass finds the runs queued more than
+    # two leases after their dispatch and re-publishes them.
+    wait_completed(ledger, 20, timeout_s=60)
+    assert_one_start_each(log, ids)
+    republished = ledger.query("SELECT COUNT(DISTINCT run_id) FROM dispatches "
+                               "WHERE reason = 'republished'")[0][0]
+    assert republished == 20
