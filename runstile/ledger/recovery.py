@@ -43,12 +43,15 @@ def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
     return [dict(r) for r in rows]
 
 
-def classify(conn: sqlite3.Connection, run: dict, *, on_crash: str, budget: int) -> tuple[str, str | None]:
-    """The SPEC §6.3 row for ``run``: (class, reason).  Pure decision from the ledger."""
+def classify(conn: sqlite3.Connection, run: dict, *, on_crash: str, budget: int,
+             uncertain: bool | None = None) -> tuple[str, str | None]:
+    """The SPEC §6.3 row for ``run``: (class, reason).  Pure decision from the ledger
+    (``uncertain`` may be given when the caller looked up a whole batch at once)."""
     if run["status"] == "stopping":
         return "cancelled", "stopped"
-    steps = uncertain_steps(conn, run["id"])
-    if steps:
+    if uncertain is None:
+        uncertain = bool(uncertain_steps(conn, run["id"]))
+    if uncertain:
         return "paused", "uncertain_side_effect"
     if run["interruption"] == "drain":
         requeue_reason = "drained"
@@ -107,6 +110,70 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
                   {"reason": reason, "error": {"code": code, "message": message}})
     sessions.dispatch_next(conn, run, enqueue)
     return True
+
+
+_TERMINAL = {"cancelled": ("cancelled", None, None),
+             "interrupted": ("interrupted", "owner_lost",
+                             "the worker running this run stopped before it finished")}
+
+
+def uncertain_among(conn: sqlite3.Connection, run_ids: list[str]) -> set[str]:
+    """Which of ``run_ids`` have a non-idempotent step started and never settled."""
+    rows = conn.execute(
+        "SELECT DISTINCT run_id FROM journal WHERE run_id IN (SELECT value FROM json_each(?)) "
+        "AND kind = 'step' AND state = 'started' AND idempotent = 0",
+        (json.dumps(run_ids),)).fetchall()
+    return {r[0] for r in rows}
+
+
+def apply_terminal_many(conn: sqlite3.Connection, decisions: list[tuple[dict, str, str]],
+                        enqueue: Enqueue | None) -> list[str]:
+    """Set-based ``apply`` for the terminal classes (interrupted, cancelled): one guarded
+    UPDATE and one event INSERT per class for a whole batch, in the caller's
+    transaction.  Each row is still guarded on exactly what recovery read; returns the
+    ids whose guard won."""
+    won: list[str] = []
+    for klass, (status, code, message) in _TERMINAL.items():
+        rows = [(run, reason) for run, k, reason in decisions if k == klass]
+        if not rows:
+            continue
+        guards = json.dumps([{
+            "id": run["id"], "status": run["status"], "node": run["owner_node"],
+            "generation": run["owner_generation"], "pid": run["owner_pid"],
+            "thread": run["owner_thread"], "lease": run["lease_expires_at"],
+            "reason": reason} for run, reason in rows])
+        ids = [r[0] for r in conn.execute(
+            f"UPDATE runs SET status = ?, error_code = ?, error_message = ?, "
+            "recovery_reason = g.value ->> 'reason', "
+            f"finished_at = {NOW}, owner_node = NULL, owner_generation = NULL, "
+            "owner_pid = NULL, owner_thread = NULL, lease_expires_at = NULL, "
+            "interruption = NULL, recovery_attempts = recovery_attempts + 1, "
+            f"updated_at = {NOW} FROM json_each(?) AS g WHERE runs.id = g.value ->> 'id' "
+            "AND runs.status = g.value ->> 'status' "
+            "AND runs.owner_node IS g.value ->> 'node' "
+            "AND runs.owner_generation IS g.value ->> 'generation' "
+            "AND runs.owner_pid IS g.value ->> 'pid' "
+            "AND runs.owner_thread IS g.value ->> 'thread' "
+            "AND runs.lease_expires_at IS g.value ->> 'lease' RETURNING runs.id",
+            (status, code, message, guards)).fetchall()]
+        if not ids:
+            continue
+        data = {"reason": "stopped"} if code is None else None
+        by_id = {run["id"]: (run, reason) for run, reason in rows}
+        payloads = json.dumps([{"id": rid, "data": json.dumps(
+            data or {"reason": by_id[rid][1], "error": {"code": code, "message": message}},
+            separators=(",", ":"))} for rid in ids])
+        conn.execute(
+            "INSERT INTO events (run_id, seq, type, data, created_at) "
+            "SELECT p.value ->> 'id', COALESCE((SELECT MAX(e.seq) FROM events e "
+            "WHERE e.run_id = p.value ->> 'id'), 0) + 1, ?, p.value ->> 'data', "
+            f"{NOW} FROM json_each(?) AS p", (f"run.{status}", payloads))
+        for rid in ids:
+            run = by_id[rid][0]
+            if run.get("session_key") is not None:
+                sessions.dispatch_next(conn, run, enqueue)
+        won += ids
+    return won
 
 
 def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) -> list[dict]:

@@ -76,14 +76,23 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
             with db.transaction(conn):
                 batch = recovery.orphaned(conn, node_id=settings.node_id,
                                           generation=generation, limit=CLASSIFY_BATCH)
+                uncertain = recovery.uncertain_among(conn, [run["id"] for run in batch])
+                terminal = []
                 for run in batch:
                     klass, reason = recovery.classify(
                         conn, run, on_crash=_on_crash(run["task"]),
-                        budget=settings.recovery_budget)
-                    if recovery.apply(conn, run, klass, reason, enqueue):
+                        budget=settings.recovery_budget, uncertain=run["id"] in uncertain)
+                    if klass in ("interrupted", "cancelled"):
+                        terminal.append((run, klass, reason))  # set-based, below
+                    elif recovery.apply(conn, run, klass, reason, enqueue):
                         report.counts[klass] += 1
                         log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
                     crashpoints.hit(settings, "mid_recovery")
+                won = set(recovery.apply_terminal_many(conn, terminal, enqueue))
+                for run, klass, reason in terminal:
+                    if run["id"] in won:
+                        report.counts[klass] += 1
+                        log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
             if len(batch) < CLASSIFY_BATCH:
                 break
         # 4. Re-publish unsent dispatch records, and runs still queued long after their
