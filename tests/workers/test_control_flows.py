@@ -88,14 +88,16 @@ def test_the_client_survives_a_server_killed_mid_submit(ledger, tmp_path):
     def submit():
         result["run"] = client.submit("echo", {"x": 1}, idempotency_key="survive-1")
 
-    worker = threading.Thread(target=submit)
+    worker = threading.Thread(target=submit, daemon=True)
     worker.start()
-    # The web process commits the run, then dies before answering (gunicorn restarts it,
-    # and it dies again on every retry); then the whole node is killed and restarted.
-    wait_until(lambda: ledger.query("SELECT COUNT(*) FROM runs")[0][0] == 1, 30, 0.02,
-               "the admission to commit")
-    time.sleep(0.5)
-    system.kill()
+    try:
+        # The web process commits the run, then dies before answering (gunicorn restarts
+        # it, and it dies again on every retry); then the whole node is killed.
+        wait_until(lambda: ledger.query("SELECT COUNT(*) FROM runs")[0][0] == 1, 30, 0.02,
+                   "the admission to commit")
+        time.sleep(0.5)
+    finally:
+        system.kill()
     restarted = System(ledger.data_dir, {}, web_workers=1, workers=1, threads=2,
                        port=system.port).start()
     try:
