@@ -348,16 +348,21 @@ def recover(deployment: Deployment, env: dict) -> dict:
 # -- the contract -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("broker", ALL, indirect=True)
-def test_50_runs_complete_with_one_start_each(deploy, ledger, tmp_path):
+def test_500_runs_on_2_worker_processes_complete_with_one_start_each(deploy, ledger, tmp_path):
     deployment = deploy(STEADY)
     log = tmp_path / "executions.log"
-    ids = submit(deployment.api, log, 50)
-    wait_completed(ledger, 50)
+    ids = submit(deployment.api, log, 500)
+    wait_completed(ledger, 500, timeout_s=180)
     assert_one_start_each(log, ids)
+    # Both worker processes took part.
+    owners = {json.loads(d)["owner"]["pid"] for (d,) in ledger.query(
+        "SELECT data FROM events WHERE type = 'run.started'")}
+    assert len(owners) == 2
     # Every dispatch record reached the broker and was marked sent (for Redis/RabbitMQ by
     # the web, after the commit); one record per run, none re-published.
     assert unsent(ledger) == 0
-    assert ledger.query("SELECT COUNT(*), COUNT(DISTINCT run_id) FROM dispatches") == [(50, 50)]
+    assert ledger.query("SELECT COUNT(*), COUNT(DISTINCT run_id) FROM dispatches") == [
+        (500, 500)]
 
 
 @pytest.mark.parametrize("broker", ALL, indirect=True)
