@@ -306,7 +306,7 @@ def recover(settings, as_json):
     _ledger(settings).close()
     conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)
     try:
-        generation, _ = ledger_recovery.begin_generation_check(conn, settings.node_id)
+        generation, _ = ledger_recovery.node_generations(conn, settings.node_id)
     finally:
         conn.close()
     report = reconcile.run_pass(settings, generation=generation, trigger="command")

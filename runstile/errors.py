@@ -100,13 +100,6 @@ class UnsupportedMediaType(RunstileError):
     status = 415
 
 
-class NotAcceptable(RunstileError):
-    """Raised when the client accepts none of the representations a route offers."""
-
-    code = "not_acceptable"
-    status = 406
-
-
 class StreamsExhausted(RunstileError):
     """Raised when this web process already serves RUNSTILE_MAX_STREAMS event streams."""
 

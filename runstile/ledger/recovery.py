@@ -209,7 +209,7 @@ def mark_drained(conn: sqlite3.Connection, *, node: str, generation: int, pid: i
     return [r[0] for r in rows]
 
 
-def begin_generation_check(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:
+def node_generations(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:
     """(generation, recovered_generation) of a node; (0, 0) when it never booted."""
     with db.ledger_errors():
         row = conn.execute("SELECT generation, recovered_generation FROM nodes WHERE id = ?",

@@ -41,6 +41,12 @@ def purge(conn: sqlite3.Connection, *, run_retention_s: float, key_tombstone_s: 
             # Guarded on status again: a terminal row never changes, but say so in SQL.
             conn.execute(f"DELETE FROM runs WHERE id = ? AND status IN {sql_list(TERMINAL)}",
                          (run["id"],))
-        expired = conn.execute(f"DELETE FROM run_tombstones WHERE expires_at <= {NOW}").rowcount
-        expired += conn.execute(f"DELETE FROM key_tombstones WHERE expires_at <= {NOW}").rowcount
+        # Bounded like the runs: a large backlog of expired tombstones takes several passes.
+        expired = conn.execute(
+            "DELETE FROM run_tombstones WHERE run_id IN (SELECT run_id FROM run_tombstones "
+            f"WHERE expires_at <= {NOW} LIMIT ?)", (batch,)).rowcount
+        expired += conn.execute(
+            "DELETE FROM key_tombstones WHERE (profile_id, key_id, idempotency_key) IN "
+            "(SELECT profile_id, key_id, idempotency_key FROM key_tombstones "
+            f"WHERE expires_at <= {NOW} LIMIT ?)", (batch,)).rowcount
     return PurgeReport(runs=len(victims), tombstones=expired)

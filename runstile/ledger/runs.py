@@ -241,12 +241,6 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
     return [dict(r) for r in rows[:limit]], len(rows) > limit
 
 
-def count_dispatches(conn: sqlite3.Connection, run_id: str) -> int:
-    with db.ledger_errors():
-        return conn.execute("SELECT COUNT(*) FROM dispatches WHERE run_id = ?",
-                            (run_id,)).fetchone()[0]
-
-
 def statuses_known(values: Iterable[str]) -> bool:
     known = {s.value for s in RunStatus}
     return all(v in known for v in values)

@@ -16,5 +16,5 @@ from ..ledger import recovery
 def is_open(conn: sqlite3.Connection, node_id: str) -> bool:
     """True when the node's current boot has recovered, or the node never booted
     workers (a web-only deployment has nothing to wait for)."""
-    generation, recovered = recovery.begin_generation_check(conn, node_id)
+    generation, recovered = recovery.node_generations(conn, node_id)
     return generation == 0 or recovered >= generation

@@ -27,7 +27,7 @@ class WebState:
 
 def create_app(settings: Settings) -> Flask:
     """The WSGI app.  Call after fork: it opens ledger connections lazily per thread."""
-    from . import approvals, errors, metrics, runs, service
+    from . import approvals, errors, runs, service
 
     app = Flask("runstile")
     app.json.sort_keys = False
@@ -42,7 +42,6 @@ def create_app(settings: Settings) -> Flask:
             settings.ledger_path, synchronous=settings.synchronous,
             busy_timeout_ms=settings.busy_timeout_ms)),
     )
-    metrics.install(app)
     errors.install(app)
     app.register_blueprint(runs.blueprint)
     app.register_blueprint(approvals.blueprint)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-from flask import Flask
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
 from prometheus_client import multiprocess
@@ -32,7 +31,3 @@ def render() -> tuple[bytes, str]:
     from prometheus_client import REGISTRY
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 
-
-def install(app: Flask) -> None:
-    """Nothing per-app yet: metrics are per process; kept as the hook for later gauges."""
-    del app
