@@ -23,7 +23,7 @@ from .errors import ConfigError
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 #: Crash points that code names (DESIGN §3 "crash tests two ways"); see crashpoints.py.
 CRASHPOINTS = ("after_admit_commit", "after_claim", "after_step_start", "after_body",
-               "mid_recovery")
+               "after_finish", "mid_recovery", "after_delivery_send")
 
 
 def _positive_int(raw: str) -> int:
@@ -183,8 +183,16 @@ class Settings:
     stream_keepalive_s: float = 15.0
     #: First delivery retry delay in seconds (doubles up to 5 minutes).
     delivery_backoff_s: float = 1.0
+    #: Longest delay between two delivery attempts, in seconds (before Retry-After).
+    delivery_backoff_max_s: float = 300.0
     #: Delivery attempts before an obligation is parked.
     delivery_max_attempts: int = 12
+    #: Seconds a delivery may take to connect (TCP and TLS).
+    delivery_connect_timeout_s: float = 5.0
+    #: Seconds a delivery may take from sending the request to the end of the answer.
+    delivery_read_timeout_s: float = 10.0
+    #: Seconds the old signing secret keeps signing after ``webhooks secret --rotate``.
+    webhook_rotation_grace_s: float = 24 * 3600.0
     #: Hosts or CIDRs that callbacks may reach despite the SSRF guard.
     callback_allowlist: tuple[str, ...] = ()
     #: Address ``serve``/``up`` listen on.
@@ -274,7 +282,12 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_STREAM_MAX_S": (_positive_float, "event stream lifetime, s"),
     "RUNSTILE_STREAM_KEEPALIVE_S": (_positive_float, "keepalive period, s"),
     "RUNSTILE_DELIVERY_BACKOFF_S": (_positive_float, "first delivery retry delay, s"),
+    "RUNSTILE_DELIVERY_BACKOFF_MAX_S": (_positive_float, "longest delivery retry delay, s"),
     "RUNSTILE_DELIVERY_MAX_ATTEMPTS": (_positive_int, "delivery attempts before parking"),
+    "RUNSTILE_DELIVERY_CONNECT_TIMEOUT_S": (_positive_float, "delivery connect timeout, s"),
+    "RUNSTILE_DELIVERY_READ_TIMEOUT_S": (_positive_float, "delivery answer timeout, s"),
+    "RUNSTILE_WEBHOOK_ROTATION_GRACE_S": (_non_negative_float,
+                                          "old secret keeps signing, s"),
     "RUNSTILE_CALLBACK_ALLOWLIST": (_allowlist, "hosts/CIDRs exempt from the SSRF guard"),
     "RUNSTILE_HOST": (_text, "listen address"),
     "RUNSTILE_PORT": (_port, "listen port"),

@@ -26,19 +26,26 @@ import dramatiq
 
 from .config import Settings
 from .errors import RunstileError
-from .ledger import broker_queue, dispatches
+from .ledger import broker_queue, db, dispatches, obligations
 from .ledger.runs import Enqueue
 
 log = logging.getLogger("runstile.dispatch")
 
-#: The one queue runs travel on, and the actor that executes them.
+#: The one queue runs travel on, the actor that executes them, and the actor that
+#: makes one delivery attempt of an obligation (SPEC §7; workers/delivery.py).
 QUEUE = "runstile"
 ACTOR = "runstile_execute"
+DELIVER_ACTOR = "runstile_deliver"
 
 
 def message_for(run_id: str, dispatch_id: int | None = None) -> dramatiq.Message:
     return dramatiq.Message(queue_name=QUEUE, actor_name=ACTOR, args=(run_id,),
                             kwargs={"dispatch_id": dispatch_id}, options={})
+
+
+def delivery_message(obligation_id: str) -> dramatiq.Message:
+    return dramatiq.Message(queue_name=QUEUE, actor_name=DELIVER_ACTOR, args=(obligation_id,),
+                            kwargs={}, options={})
 
 
 def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
@@ -130,17 +137,22 @@ class Publisher:
         return self._broker
 
     def send(self, run_id: str, dispatch_id: int, *, delay_s: float = 0.0) -> bool:
-        """Publish one message; True if the broker took it.  Never raises."""
+        """Publish one run's message; True if the broker took it.  Never raises."""
+        return self.enqueue(message_for(run_id, dispatch_id), delay_s=delay_s,
+                            what=f"run {run_id}: dispatch {dispatch_id}")
+
+    def enqueue(self, message: dramatiq.Message, *, delay_s: float = 0.0,
+                what: str = "") -> bool:
+        """Publish any message; True if the broker took it.  Never raises."""
         if time.monotonic() < self._paused_until:
             return False
         delay_ms = int(delay_s * 1000)
         try:
-            self.broker.enqueue(message_for(run_id, dispatch_id), delay=delay_ms or None)
+            self.broker.enqueue(message, delay=delay_ms or None)
         except Exception as exc:  # any broker or network failure: recovery publishes it
             self._paused_until = time.monotonic() + PUBLISH_PAUSE_S
-            log.warning("run %s: publishing dispatch %s failed (%s: %s); it stays unsent "
-                        "until recovery publishes it", run_id, dispatch_id,
-                        type(exc).__name__, exc)
+            log.warning("%s: publishing failed (%s: %s); it stays unsent until recovery "
+                        "publishes it", what or message.message_id, type(exc).__name__, exc)
             return False
         return True
 
@@ -213,3 +225,62 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
             break
         published += 1
     return published
+
+
+# ------------------------------------------------------------ delivery obligations
+
+def send_deliveries(settings: Settings, conn: sqlite3.Connection, *, run_id: str | None = None,
+                    stale_s: float | None = None, grace_s: float = 0.0,
+                    limit: int = PENDING_BATCH) -> int:
+    """Send a deliverer message for each pending, due obligation that has none (of one
+    run, or all; with ``stale_s`` also those whose message is that long overdue; with
+    ``grace_s`` only those due at least that long), and
+    mark them sent.  Called after the commits that create obligations and by
+    recovery's sweep (SPEC §6.2 step 2).  Never raises: anything not sent here is
+    found by the next sweep; a duplicate message loses the claim and does nothing."""
+    try:
+        if settings.broker_url == "sqlite":
+            # Embedded: the messages and their marks commit together.
+            with db.transaction(conn):
+                ids = obligations.unsent(conn, run_id=run_id, stale_s=stale_s, grace_s=grace_s,
+                                          limit=limit)
+                for obligation_id in ids:
+                    message = delivery_message(obligation_id)
+                    broker_queue.insert_message(conn, QUEUE, message.message_id,
+                                                message.encode())
+                obligations.mark_sent(conn, ids)
+            return len(ids)
+        publisher = publisher_for(settings)
+        sent = []
+        for obligation_id in obligations.unsent(conn, run_id=run_id, stale_s=stale_s,
+                                                grace_s=grace_s, limit=limit):
+            if not publisher.enqueue(delivery_message(obligation_id),
+                                     what=f"delivery {obligation_id}"):
+                break
+            sent.append(obligation_id)
+        obligations.mark_sent(conn, sent)
+        return len(sent)
+    except RunstileError as exc:
+        log.warning("could not send delivery messages (%s); recovery sends them", exc.message)
+        return 0
+
+
+def send_delivery_later(settings: Settings, conn: sqlite3.Connection, obligation_id: str,
+                        delay_s: float) -> bool:
+    """The message for an obligation's next attempt, due in ``delay_s`` seconds (its
+    ``message_due_at`` is already set).  Never raises; recovery covers a lost one."""
+    message = delivery_message(obligation_id)
+    try:
+        if settings.broker_url == "sqlite":
+            eta_ms = int((time.time() + max(0.0, delay_s)) * 1000)
+            delayed = message.copy(queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
+            with db.transaction(conn):
+                broker_queue.insert_message(conn, delayed.queue_name, delayed.message_id,
+                                            delayed.encode(), eta=eta_ms / 1000)
+            return True
+        return publisher_for(settings).enqueue(message, delay_s=delay_s,
+                                               what=f"delivery {obligation_id}")
+    except RunstileError as exc:
+        log.warning("delivery %s: could not send its next attempt's message (%s); "
+                    "recovery sends it", obligation_id, exc.message)
+        return False

@@ -114,6 +114,13 @@ class RunNotFound(RunstileError):
     status = 404
 
 
+class DeliveryNotFound(RunstileError):
+    """Raised when a delivery id is unknown or belongs to a run the key may not see."""
+
+    code = "delivery_not_found"
+    status = 404
+
+
 class RouteNotFound(RunstileError):
     """Raised when no route matches the request path."""
 
@@ -163,6 +170,18 @@ class RunNotPaused(Conflict):
     """Raised when /resume is asked of a run that is not paused."""
 
     code = "run_not_paused"
+
+
+class DeliverySettled(Conflict):
+    """Raised when a delivered or discarded obligation is asked to be retried or discarded."""
+
+    code = "delivery_settled"
+
+
+class DeliveryInFlight(Conflict):
+    """Raised when an obligation is discarded while an attempt to deliver it is under way."""
+
+    code = "delivery_in_flight"
 
 
 class IdempotencyKeyExpired(RunstileError):

@@ -72,3 +72,25 @@ def run_object(row: dict) -> dict:
 def event_object(event: dict) -> dict:
     return {"seq": event["seq"], "type": event["type"], "data": event["data"],
             "created_at": rfc3339(event["created_at"])}
+
+
+def delivery_object(row: dict) -> dict:
+    """A delivery obligation as the API shows it (SPEC §3.4 "Deliveries", §7)."""
+    return {
+        "object": "delivery",
+        "id": row["id"],
+        "run_id": row["run_id"],
+        "kind": row["kind"],
+        "type": row["type"],
+        "url": row["url"],
+        "state": row["state"],
+        "attempts": row["attempts"],
+        "recovered": bool(row["ambiguous"]),
+        "next_attempt_at": rfc3339(row["next_attempt_at"]) if row["state"] == "pending" else None,
+        "last_status": row["last_status"],
+        "last_error": row["last_error"],
+        "settled_by": row["settled_by"],
+        "created_at": rfc3339(row["created_at"]),
+        "updated_at": rfc3339(row["updated_at"]),
+        "settled_at": rfc3339(row["settled_at"]),
+    }

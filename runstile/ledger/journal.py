@@ -1,4 +1,4 @@
-"""The journal of a run's body (SPEC §5): steps and emits by call position.
+"""The journal of a run's body (SPEC §5): steps, emits and deliveries by call position.
 
 Every write is fenced: it happens in a transaction that first proves the caller still
 owns the run with a live lease (execution.owns).  A zombie worker that wakes after its
@@ -12,7 +12,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from ..errors import LeaseLost, RunStopping
-from . import db, events
+from . import db, events, obligations
 from .db import NOW
 from .execution import Owner, owns
 
@@ -94,6 +94,21 @@ def record_emit(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position
             f"{NOW}, {NOW})",
             (run_id, position, type_, args_hash, json.dumps(seq), run["attempt"]))
         return seq
+
+
+def record_deliver(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
+                   url: str, payload_json: str, args_hash: str) -> str:
+    """A ``ctx.deliver`` obligation and its journal row in one fenced transaction (SPEC
+    §7); returns the delivery id.  A re-run body finds the row and does not add another."""
+    with db.transaction(conn):
+        run = _fence(conn, run_id, owner)
+        obligation_id = obligations.insert_deliver(conn, run, url=url, payload_json=payload_json)
+        conn.execute(
+            "INSERT INTO journal (run_id, position, kind, name, args_hash, state, result, "
+            f"attempt, started_at, completed_at) VALUES (?, ?, 'deliver', 'deliver', ?, "
+            f"'completed', ?, ?, {NOW}, {NOW})",
+            (run_id, position, args_hash, json.dumps(obligation_id), run["attempt"]))
+        return obligation_id
 
 
 def uncertain_steps(conn: sqlite3.Connection, run_id: str) -> list[str]:

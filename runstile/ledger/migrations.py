@@ -15,13 +15,16 @@ from ..errors import LedgerCorrupt
 from . import db
 
 
-def _schema_v1() -> str:
-    return resources.files(__package__).joinpath("schema.sql").read_text(encoding="utf-8")
+def _script(name: str):
+    def read() -> str:
+        return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+    return read
 
 
 #: (version, SQL script).  Append only; never edit a migration that has shipped.
 MIGRATIONS: list[tuple[int, callable]] = [
-    (1, _schema_v1),
+    (1, _script("schema.sql")),
+    (2, _script("schema_v2_obligations.sql")),  # delivery obligations, webhook secrets
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -1,7 +1,8 @@
 """Retention (SPEC §8): purge old terminal runs, leaving tombstones; purge old tombstones.
 
 Called by the scheduled recovery job in bounded batches, never on the request path.
-Non-terminal runs are never touched: the WHERE clause names terminal statuses only.
+Non-terminal runs are never touched: the WHERE clause names terminal statuses only; nor
+are runs that still owe a delivery (their obligations go with them, ON DELETE CASCADE).
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ def purge(conn: sqlite3.Connection, *, run_retention_s: float, key_tombstone_s: 
     with db.transaction(conn):
         victims = conn.execute(
             f"SELECT id, profile_id, key_id FROM runs WHERE status IN {sql_list(TERMINAL)} "
-            f"AND finished_at IS NOT NULL AND finished_at <= {NOW} - ? LIMIT ?",
-            (run_retention_s, batch)).fetchall()
+            f"AND finished_at IS NOT NULL AND finished_at <= {NOW} - ? "
+            # A run is kept while it owes a delivery, and for the retention period after
+            # its last one was delivered or discarded (SPEC §8).
+            "AND NOT EXISTS (SELECT 1 FROM obligations o WHERE o.run_id = runs.id AND "
+            f"(o.state NOT IN ('delivered', 'discarded') OR o.settled_at > {NOW} - ?)) "
+            "LIMIT ?", (run_retention_s, run_retention_s, batch)).fetchall()
         for run in victims:
             conn.execute(
                 "INSERT INTO run_tombstones (run_id, profile_id, key_id, expires_at) "

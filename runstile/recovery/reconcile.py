@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from .. import crashpoints, dispatch
 from ..config import Settings
-from ..ledger import broker_queue, db, dispatches, migrations, recovery, retention, sessions
+from ..ledger import (broker_queue, db, dispatches, migrations, obligations, recovery, retention,
+                      sessions)
 from ..workers import registry
 
 log = logging.getLogger("runstile.recovery")
@@ -70,7 +71,9 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     try:
         started_at = recovery.ledger_now(conn)
         enqueue = dispatch.in_transaction_enqueue(settings)
-        # 2. Sweep delivery obligations: nothing to sweep until obligations exist.
+        # 2. Sweep delivery obligations: outbound results go out before any run is
+        #    replayed (SPEC §6.2).
+        _sweep_obligations(settings, conn, report, generation=generation, trigger=trigger)
         # 3. Reconcile the journal: runs whose owner is gone, batch by batch.
         while True:
             with db.transaction(conn):
@@ -95,6 +98,8 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                         log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
             if len(batch) < CLASSIFY_BATCH:
                 break
+        # Step 3 may have ended or paused runs that have a callback: send those now.
+        report.counts["deliveries_sent"] += dispatch.send_deliveries(settings, conn)
         # 4. Re-publish unsent dispatch records, and runs still queued long after their
         #    dispatch without a live message (a broker can lose messages).
         if enqueue is None:
@@ -139,6 +144,30 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     log.info("recovery (%s, generation %d): %s in %.3fs", trigger, generation,
              report.as_dict()["counts"] or "nothing to do", report.duration_s)
     return report
+
+
+def _sweep_obligations(settings: Settings, conn, report: Report, *, generation: int,
+                       trigger: str) -> None:
+    """Step 2: attempts whose deliverer is gone go back to pending (ambiguous: the next
+    send says ``"recovered": true``), then every pending, due obligation without a
+    message gets one, as does one whose message is REPUBLISH_AFTER_LEASES leases
+    overdue (a broker can lose messages).  A scheduled pass leaves obligations younger
+    than UNSENT_GRACE_S to the process that created them."""
+    for _ in range(MAX_PUBLISH_BATCHES):
+        rearmed, parked = obligations.rearm_orphans(
+            conn, node_id=settings.node_id, generation=generation,
+            max_attempts=settings.delivery_max_attempts, limit=BATCH)
+        report.counts["deliveries_rearmed"] += rearmed
+        report.counts["deliveries_parked"] += parked
+        if rearmed + parked < BATCH:
+            break
+    grace_s = UNSENT_GRACE_S if trigger == "scheduled" else 0.0
+    for _ in range(MAX_PUBLISH_BATCHES):
+        sent = dispatch.send_deliveries(settings, conn, grace_s=grace_s, limit=BATCH,
+                                        stale_s=REPUBLISH_AFTER_LEASES * settings.lease_s)
+        report.counts["deliveries_sent"] += sent
+        if sent < BATCH:
+            break
 
 
 def _republish_external(settings: Settings, conn, report: Report, *, trigger: str,

@@ -27,7 +27,7 @@ class WebState:
 
 def create_app(settings: Settings) -> Flask:
     """The WSGI app.  Call after fork: it opens ledger connections lazily per thread."""
-    from . import approvals, errors, runs, service
+    from . import approvals, deliveries, errors, runs, service
 
     app = Flask("runstile")
     app.json.sort_keys = False
@@ -45,5 +45,6 @@ def create_app(settings: Settings) -> Flask:
     errors.install(app)
     app.register_blueprint(runs.blueprint)
     app.register_blueprint(approvals.blueprint)
+    app.register_blueprint(deliveries.blueprint)
     app.register_blueprint(service.blueprint)
     return app

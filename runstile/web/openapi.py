@@ -90,9 +90,33 @@ _SCHEMAS = {
                                 "items": {"$ref": "#/components/schemas/Event"}},
                        "next_after": {"type": "integer", "minimum": 0}},
     },
+    "Delivery": {
+        "type": "object",
+        "required": ["object", "id", "run_id", "kind", "type", "url", "state", "attempts"],
+        "properties": {
+            "object": {"const": "delivery"}, "id": _TEXT,
+            "run_id": {"type": "string", "pattern": "^run_[0-9a-f]{32}$"},
+            "kind": {"enum": ["callback", "deliver"]}, "type": _TEXT, "url": _TEXT,
+            "state": {"enum": ["pending", "attempting", "delivered", "parked", "discarded"]},
+            "attempts": {"type": "integer", "minimum": 0}, "recovered": {"type": "boolean"},
+            "next_attempt_at": _TIME, "last_status": {"type": ["integer", "null"]},
+            "last_error": _NULL_TEXT, "settled_by": _NULL_TEXT, "created_at": _TIME,
+            "updated_at": _TIME, "settled_at": _TIME,
+        },
+    },
+    "DeliveryList": {
+        "type": "object", "required": ["object", "data", "has_more", "next_cursor"],
+        "properties": {"object": {"const": "list"},
+                       "data": {"type": "array",
+                                "items": {"$ref": "#/components/schemas/Delivery"}},
+                       "has_more": {"type": "boolean"}, "next_cursor": _NULL_TEXT},
+    },
     "Capabilities": {"type": "object"},
     "Health": {"type": "object"},
 }
+
+_DELIVERY_ID_PARAM = {"name": "delivery_id", "in": "path", "required": True,
+                      "schema": {"type": "string"}}
 
 
 def _list_parameters() -> list[dict]:
@@ -218,6 +242,36 @@ def document() -> dict:
                     "responses": {"200": _json("Run", "the re-queued run"),
                                   "404": _error("run_not_found"),
                                   "409": _error("run_not_paused"), **_AUTH_ERRORS},
+                },
+            },
+            "/v1/runs/{run_id}/deliveries": {
+                "get": {
+                    "operationId": "listDeliveries",
+                    "summary": "The run's delivery obligations (webhooks), oldest first",
+                    "parameters": [_RUN_ID_PARAM],
+                    "responses": {"200": _json("DeliveryList", "the run's obligations"),
+                                  "404": _error("run_not_found"), **_AUTH_ERRORS},
+                },
+            },
+            "/v1/deliveries/{delivery_id}/retry": {
+                "post": {
+                    "operationId": "retryDelivery",
+                    "summary": "Re-arm a parked delivery with fresh attempts",
+                    "parameters": [_DELIVERY_ID_PARAM],
+                    "responses": {"200": _json("Delivery", "re-armed (or already pending)"),
+                                  "404": _error("delivery_not_found"),
+                                  "409": _error("delivery_settled"), **_AUTH_ERRORS},
+                },
+            },
+            "/v1/deliveries/{delivery_id}/discard": {
+                "post": {
+                    "operationId": "discardDelivery",
+                    "summary": "Settle a pending or parked delivery for good",
+                    "parameters": [_DELIVERY_ID_PARAM],
+                    "responses": {"200": _json("Delivery", "discarded (or already)"),
+                                  "404": _error("delivery_not_found"),
+                                  "409": _error("delivery_settled or delivery_in_flight"),
+                                  **_AUTH_ERRORS},
                 },
             },
             "/v1/recovery": {

@@ -91,6 +91,9 @@ def stop_run(run_id: str):
         # (Redis/RabbitMQ; the embedded broker's message committed with the stop).
         dispatch.publish_pending(state().settings, conn(), session=(
             run["profile_id"], run["key_id"], run["session_key"]))
+    if settled and run["callback_url"] is not None:
+        # A cancel here created the run's callback obligation: hand it to a deliverer.
+        dispatch.send_deliveries(state().settings, conn(), run_id=run_id)
     response = jsonify(run_object(run))
     response.status_code = 200 if settled else 202
     return response

@@ -68,6 +68,8 @@ class Executor:
         if claim.run is None:
             log.info("run %s: claim lost (%s); message acknowledged as a no-op (dispatch %s)",
                      run_id, claim.outcome, dispatch_id)
+            if claim.outcome == "unknown_task":  # failed at claim: its callback is owed
+                dispatch.send_deliveries(self.settings, conn, run_id=run_id)
             return
         self._execute(claim.run, owner, conn)
 
@@ -81,7 +83,11 @@ class Executor:
                                  lease_lost=lambda: item.lost,
                                  on_step_started=lambda: crashpoints.hit(self.settings,
                                                                          "after_step_start"),
-                                 enqueue=self.enqueue)
+                                 enqueue=self.enqueue,
+                                 allowlist=self.settings.callback_allowlist,
+                                 on_delivery=lambda: dispatch.send_deliveries(
+                                     self.settings, self.pool.get(), run_id=run["id"]),
+                                 max_payload_bytes=self.settings.max_result_bytes)
                 value = self._call(spec, ctx, json.loads(run["input"]))
                 outcome = self._completed(value)
             except Stopped:
@@ -102,6 +108,9 @@ class Executor:
                 still_ours = self.executions.finishing(item)
         except (LeaseLostInterrupt, TimeLimitInterrupt, PausedInterrupt, ApprovalParked) as exc:
             log.info("run %s: body unwound (%s)", run["id"], type(exc).__name__)
+            if not isinstance(exc, LeaseLostInterrupt):
+                # A pause, a parked approval or a time limit may owe its callback a notice.
+                dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
             return
         except Stopped:
             # The grace interrupt landed after the body had already returned: still a stop.
@@ -117,7 +126,13 @@ class Executor:
         if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])
-        elif finished["session_key"] is not None:
+            return
+        crashpoints.hit(self.settings, "after_finish")
+        if finished["callback_url"] is not None:
+            # The terminal write created the callback obligation; hand it to a deliverer
+            # now (if this process dies first, recovery's sweep sends it).
+            dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
+        if finished["session_key"] is not None:
             # The run freed its session: publish the next run's dispatch (Redis/RabbitMQ;
             # the embedded broker's message committed with the outcome).
             dispatch.publish_pending(self.settings, self.pool.get(), session=(

@@ -1,6 +1,6 @@
 """RunContext: what a task body sees (SPEC §5), and the interrupts that unwind a body.
 
-Every journaled call (``step``, ``emit``) takes the next call position; when a body runs
+Every journaled call (``step``, ``emit``, ``deliver``, ``request_approval``) takes the next call position; when a body runs
 again for the same run, a position already in the journal is replayed from it instead
 of being repeated.  Interrupts derive from BaseException so that a task's own
 ``except Exception`` cannot swallow a stop, a lost lease or a time limit.
@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 import rfc8785
 
-from ..errors import LeaseLost, RunStopping, RunstileError
+from ..errors import InvalidCallbackUrl, LeaseLost, RunStopping, RunstileError
 from ..ledger import approvals, execution, journal
 from ..ledger.execution import Owner
+from ..netguard import callback_refusal
 
 #: Largest event payload a task may emit, in bytes of JSON (SPEC §3.3).
 MAX_EVENT_DATA_BYTES = 64 * 1024
@@ -72,7 +73,9 @@ class RunContext:
                  stop_requested: Callable[[], bool] = lambda: False,
                  lease_lost: Callable[[], bool] = lambda: False,
                  on_step_started: Callable[[], None] = lambda: None,
-                 enqueue=None) -> None:
+                 enqueue=None, allowlist: tuple[str, ...] = (),
+                 on_delivery: Callable[[], None] = lambda: None,
+                 max_payload_bytes: int = 1024 * 1024) -> None:
         self.run_id: str = run["id"]
         self.attempt: int = run["attempt"]
         self.session_key: str | None = run["session_key"]
@@ -84,6 +87,9 @@ class RunContext:
         self._lease_lost = lease_lost
         self._on_step_started = on_step_started
         self._enqueue = enqueue
+        self._allowlist = allowlist
+        self._on_delivery = on_delivery
+        self._max_payload_bytes = max_payload_bytes
         self._journal = journal.entries(conn, self.run_id)
         self._position = 0
 
@@ -148,6 +154,44 @@ class RunContext:
             raise LeaseLostInterrupt(self.run_id) from None
         except RunStopping:
             raise Stopped(self.run_id) from None
+
+    # ------------------------------------------------------------ deliver
+
+    def deliver(self, url: str, payload: Any) -> str:
+        """Promise to POST ``payload`` to ``url`` (SPEC §7): a durable obligation, signed
+        and retried until delivered or parked, even if this process dies right after.
+        Returns its delivery id (the ``webhook-id``).  On a re-run body the call is
+        replayed from the journal: the same id, no second obligation."""
+        if not isinstance(url, str):
+            raise InvalidCallbackUrl("deliver() needs the URL as a string")
+        refusal = callback_refusal(url, self._allowlist)
+        if refusal is not None:
+            raise InvalidCallbackUrl(refusal)
+        try:
+            encoded = json.dumps(payload, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise InvalidEvent(f"a delivery payload must be JSON: {exc}") from None
+        if len(encoded.encode()) > self._max_payload_bytes:
+            raise InvalidEvent(f"a delivery payload is larger than {self._max_payload_bytes} "
+                               "bytes")
+        self.checkpoint()
+        position = self._next_position()
+        digest = args_hash("deliver", url, json.loads(encoded))
+        entry = self._journal.get(position)
+        if entry is not None:
+            if (entry.kind, entry.args_hash) != ("deliver", digest):
+                self._replay_mismatch(position, entry, "deliver", url)
+            return json.loads(entry.result)
+        try:
+            delivery_id = journal.record_deliver(self._conn, self.run_id, self._owner,
+                                                 position=position, url=url,
+                                                 payload_json=encoded, args_hash=digest)
+        except LeaseLost:
+            raise LeaseLostInterrupt(self.run_id) from None
+        except RunStopping:
+            raise Stopped(self.run_id) from None
+        self._on_delivery()
+        return delivery_id
 
     # ------------------------------------------------------------ approvals
 

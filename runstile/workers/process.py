@@ -19,7 +19,7 @@ from ..config import Settings
 from ..errors import RunstileError
 from ..ledger import recovery
 from ..ledger.db import ConnectionPool
-from . import actors, registry
+from . import actors, delivery, registry
 from .broker import make_broker
 from .lease import Executions, LeaseKeeper
 
@@ -40,6 +40,8 @@ def run(settings: Settings, generation: int) -> int:
     executor = actors.Executor(settings, broker, node=settings.node_id, generation=generation,
                                executions=executions, pool=pool)
     actors.declare(broker, executor)
+    delivery.declare(broker, delivery.Deliverer(settings, pool, node=settings.node_id,
+                                                generation=generation))
     keeper = LeaseKeeper(settings, settings.node_id, generation, os.getpid(), executions, pool)
     keeper.start()
     stop = threading.Event()

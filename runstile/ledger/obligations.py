@@ -1,0 +1,244 @@
+"""Delivery obligations (SPEC §7): every move of an obligation row, and nothing else.
+
+Callback obligations are inserted by the ``obligations_from_events`` trigger (migration
+2) in the transaction of the run's own transition; ``insert_deliver`` adds the ones a
+task asks for with ``ctx.deliver``.  After that an obligation only moves through the
+guarded UPDATEs below, each reporting whether it won:
+
+- ``claim``: pending and due -> attempting, fence + 1, one more attempt, with an owner
+  and a lease long enough for one attempt's timeouts;
+- ``settle``: attempting -> delivered | pending (retry later) | parked, a compare-and-set
+  on (id, run_id, fence, 'attempting'): a deliverer that lost its attempt changes nothing;
+- ``rearm_orphans`` (recovery): attempting with its owner gone -> pending, ``ambiguous``
+  (the receiver may have it: the next send says ``"recovered": true``);
+- ``rearm`` / ``discard``: a person's decision on a parked (or pending) obligation.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+from dataclasses import dataclass
+
+from . import db, events
+from .db import NOW
+
+#: States in which an obligation still owes something.
+UNSETTLED = ("pending", "attempting", "parked")
+#: States a person may re-arm (retry) or discard from.
+REARMABLE = ("parked",)
+DISCARDABLE = ("pending", "parked")
+
+
+def new_id() -> str:
+    return "msg_" + secrets.token_hex(16)
+
+
+def insert_deliver(conn: sqlite3.Connection, run: dict, *, url: str, payload_json: str) -> str:
+    """A ``ctx.deliver`` obligation, inside the caller's (fenced) transaction."""
+    obligation_id = new_id()
+    conn.execute(
+        "INSERT INTO obligations (id, run_id, profile_id, kind, type, url, payload, "
+        "occurred_at, next_attempt_at, created_at, updated_at) VALUES (?, ?, ?, 'deliver', "
+        f"'task.delivery', ?, ?, {NOW}, {NOW}, {NOW}, {NOW})",
+        (obligation_id, run["id"], run["profile_id"], url, payload_json))
+    return obligation_id
+
+
+# --------------------------------------------------------------------------- reading
+
+def get(conn: sqlite3.Connection, obligation_id: str) -> dict | None:
+    with db.ledger_errors():
+        row = conn.execute("SELECT * FROM obligations WHERE id = ?", (obligation_id,)).fetchone()
+    return None if row is None else dict(row)
+
+
+def for_run(conn: sqlite3.Connection, run_id: str) -> list[dict]:
+    with db.ledger_errors():
+        rows = conn.execute("SELECT * FROM obligations WHERE run_id = ? ORDER BY created_at, id",
+                            (run_id,)).fetchall()
+    return [dict(r) for r in rows]
+
+
+def run_row(conn: sqlite3.Connection, run_id: str) -> dict | None:
+    """The run an obligation belongs to (kept from retention while it owes anything)."""
+    with db.ledger_errors():
+        row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    return None if row is None else dict(row)
+
+
+def unsent(conn: sqlite3.Connection, *, run_id: str | None = None, stale_s: float | None = None,
+           grace_s: float = 0.0, limit: int = 500) -> list[str]:
+    """Pending obligations due (``grace_s`` ago) that need a message: none was sent, or
+    (with ``stale_s``) the one sent is that long overdue — a broker can lose messages."""
+    stale = "" if stale_s is None else f" OR message_due_at <= {NOW} - :stale"
+    by_run = "" if run_id is None else " AND run_id = :run"
+    with db.ledger_errors():
+        rows = conn.execute(
+            "SELECT id FROM obligations WHERE state = 'pending' AND "
+            f"next_attempt_at <= {NOW} - :grace AND (message_due_at IS NULL{stale}){by_run} "
+            "ORDER BY next_attempt_at LIMIT :limit",
+            {"stale": stale_s, "grace": grace_s, "run": run_id, "limit": limit}).fetchall()
+    return [r[0] for r in rows]
+
+
+def mark_sent(conn: sqlite3.Connection, obligation_ids: list[str]) -> int:
+    """A message for each of these is on its way (guarded: still pending)."""
+    if not obligation_ids:
+        return 0
+    marks = ", ".join("?" for _ in obligation_ids)
+    with db.transaction(conn):
+        return conn.execute(
+            f"UPDATE obligations SET message_due_at = MAX(next_attempt_at, {NOW}) "
+            f"WHERE id IN ({marks}) AND state = 'pending'", obligation_ids).rowcount
+
+
+# --------------------------------------------------------------------------- attempts
+
+@dataclass(frozen=True)
+class Claim:
+    """``row`` when this deliverer won the attempt; else ``wait_s`` > 0 when the
+    obligation is pending but not yet due (the message came early), or neither."""
+
+    row: dict | None = None
+    wait_s: float = 0.0
+
+
+def claim(conn: sqlite3.Connection, obligation_id: str, *, node: str, generation: int,
+          pid: int, lease_s: float) -> Claim:
+    """pending and due -> attempting for this owner.  A duplicate message, or one for an
+    obligation already delivered, parked or being attempted, loses and does nothing."""
+    with db.transaction(conn):
+        row = conn.execute(
+            "UPDATE obligations SET state = 'attempting', attempts = attempts + 1, "
+            "fence = fence + 1, owner_node = ?, owner_generation = ?, owner_pid = ?, "
+            f"lease_expires_at = {NOW} + ?, message_due_at = NULL, updated_at = {NOW} "
+            f"WHERE id = ? AND state = 'pending' AND next_attempt_at <= {NOW} RETURNING *",
+            (node, generation, pid, lease_s, obligation_id)).fetchone()
+        if row is not None:
+            return Claim(row=dict(row))
+        early = conn.execute(
+            f"SELECT next_attempt_at - {NOW} FROM obligations WHERE id = ? "
+            "AND state = 'pending'", (obligation_id,)).fetchone()
+    return Claim(wait_s=max(0.0, early[0]) if early is not None else 0.0)
+
+
+def _cas(row: dict) -> tuple[str, tuple]:
+    return ("id = ? AND run_id = ? AND fence = ? AND state = 'attempting'",
+            (row["id"], row["run_id"], row["fence"]))
+
+
+def settle_delivered(conn: sqlite3.Connection, row: dict, *, status: int | None) -> bool:
+    where, args = _cas(row)
+    with db.transaction(conn):
+        won = conn.execute(
+            "UPDATE obligations SET state = 'delivered', owner_node = NULL, "
+            "owner_generation = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+            f"last_status = ?, last_error = NULL, settled_at = {NOW}, updated_at = {NOW} "
+            f"WHERE {where}", (status, *args)).rowcount == 1
+        if won:
+            events.append(conn, row["run_id"], "delivery.delivered", _event_data(row))
+    return won
+
+
+def settle_failed(conn: sqlite3.Connection, row: dict, *, status: int | None, error: str,
+                  delay_s: float, park: bool) -> bool:
+    """A failed attempt: back to pending after ``delay_s``, or parked (``park``: a 410,
+    or the attempts are used up).  A parked obligation stays until a person acts."""
+    where, args = _cas(row)
+    with db.transaction(conn):
+        if park:
+            won = conn.execute(
+                "UPDATE obligations SET state = 'parked', owner_node = NULL, "
+                "owner_generation = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+                f"last_status = ?, last_error = ?, settled_at = {NOW}, updated_at = {NOW} "
+                f"WHERE {where}", (status, error, *args)).rowcount == 1
+            if won:
+                events.append(conn, row["run_id"], "delivery.parked",
+                              {**_event_data(row), "error": error, "status": status})
+            return won
+        # The retry's message is sent right after this commits; message_due_at says so
+        # already, and if that send never happens recovery finds it overdue.
+        return conn.execute(
+            "UPDATE obligations SET state = 'pending', owner_node = NULL, "
+            "owner_generation = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+            f"next_attempt_at = {NOW} + ?, message_due_at = {NOW} + ?, last_status = ?, "
+            f"last_error = ?, updated_at = {NOW} WHERE {where}",
+            (delay_s, delay_s, status, error, *args)).rowcount == 1
+
+
+def _event_data(row: dict) -> dict:
+    return {"delivery_id": row["id"], "type": row["type"], "attempts": row["attempts"]}
+
+
+# --------------------------------------------------------------------------- recovery
+
+def rearm_orphans(conn: sqlite3.Connection, *, node_id: str, generation: int,
+                  max_attempts: int, limit: int) -> tuple[int, int]:
+    """SPEC §6.2 step 2: attempts whose owner is gone (lease expired, or an earlier
+    generation of this node) go back to pending and count as ambiguous — the receiver
+    may have the request.  One that has used all its attempts parks instead, so a
+    payload that kills its deliverer cannot loop forever.  Returns (re-armed, parked)."""
+    gone = (f"state = 'attempting' AND (lease_expires_at <= {NOW} OR "
+            "(owner_node = :node AND owner_generation < :generation))")
+    params = {"node": node_id, "generation": generation, "max": max_attempts,
+              "limit": limit}
+    with db.transaction(conn):
+        parked = conn.execute(
+            "UPDATE obligations SET state = 'parked', ambiguous = 1, owner_node = NULL, "
+            "owner_generation = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+            "last_error = 'the deliverer died during the last attempt', "
+            f"settled_at = {NOW}, updated_at = {NOW} WHERE id IN (SELECT id FROM obligations "
+            f"WHERE {gone} AND attempts >= :max LIMIT :limit) RETURNING *", params).fetchall()
+        for row in parked:
+            events.append(conn, row["run_id"], "delivery.parked",
+                          {**_event_data(dict(row)), "error": row["last_error"]})
+        rearmed = conn.execute(
+            "UPDATE obligations SET state = 'pending', ambiguous = 1, owner_node = NULL, "
+            "owner_generation = NULL, owner_pid = NULL, lease_expires_at = NULL, "
+            f"next_attempt_at = {NOW}, message_due_at = NULL, updated_at = {NOW} "
+            f"WHERE id IN (SELECT id FROM obligations WHERE {gone} LIMIT :limit)",
+            params).rowcount
+    return rearmed, len(parked)
+
+
+# --------------------------------------------------------------------------- people
+
+def rearm(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dict, bool] | None:
+    """parked -> pending with a fresh set of attempts: (row, changed).  Repeats, and a
+    retry of one that is already pending or in flight, change nothing."""
+    with db.transaction(conn):
+        row = conn.execute(
+            "UPDATE obligations SET state = 'pending', attempts = 0, next_attempt_at = "
+            f"{NOW}, message_due_at = NULL, settled_at = NULL, settled_by = ?, "
+            f"updated_at = {NOW} WHERE id = ? AND state = 'parked' RETURNING *",
+            (by, obligation_id)).fetchone()
+        if row is not None:
+            events.append(conn, row["run_id"], "delivery.rearmed",
+                          {"delivery_id": obligation_id, "by": by})
+            return dict(row), True
+        current = conn.execute("SELECT * FROM obligations WHERE id = ?",
+                               (obligation_id,)).fetchone()
+    return None if current is None else (dict(current), False)
+
+
+def discard(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dict, bool] | None:
+    """pending | parked -> discarded, for good: (row, changed).  Not while an attempt
+    is in flight (its outcome would race the decision)."""
+    with db.transaction(conn):
+        row = conn.execute(
+            f"UPDATE obligations SET state = 'discarded', settled_at = {NOW}, settled_by = ?, "
+            f"updated_at = {NOW} WHERE id = ? AND state IN ('pending', 'parked') RETURNING *",
+            (by, obligation_id)).fetchone()
+        if row is not None:
+            events.append(conn, row["run_id"], "delivery.discarded",
+                          {"delivery_id": obligation_id, "by": by})
+            return dict(row), True
+        current = conn.execute("SELECT * FROM obligations WHERE id = ?",
+                               (obligation_id,)).fetchone()
+    return None if current is None else (dict(current), False)
+
+
+def payload_of(row: dict) -> object:
+    return None if row["payload"] is None else json.loads(row["payload"])

@@ -1,0 +1,49 @@
+"""Each profile's webhook signing secrets (SPEC §7, §9 `runstile webhooks secret`).
+
+One current secret per profile (``retires_at IS NULL``, a unique partial index says so);
+a rotation gives the current one a ``retires_at`` of now + the grace period and adds a
+new current one.  Until a retired secret's time is up, both sign every delivery.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Callable
+
+from . import db
+from .db import NOW
+
+
+def current(conn: sqlite3.Connection, profile_id: str, new_secret: Callable[[], str], *,
+            rotate: bool = False, grace_s: float = 0.0) -> str:
+    """The profile's current secret, created if it has none; with ``rotate`` a new one
+    replaces it and the old one keeps signing for ``grace_s`` seconds."""
+    with db.transaction(conn):
+        if rotate:
+            conn.execute(f"UPDATE webhook_secrets SET retires_at = {NOW} + ? "
+                         "WHERE profile_id = ? AND retires_at IS NULL", (grace_s, profile_id))
+        # INSERT OR IGNORE against the unique current-secret index: a concurrent
+        # creator that got there first keeps its secret, and we read that one back.
+        conn.execute(f"INSERT OR IGNORE INTO webhook_secrets (profile_id, secret, created_at) "
+                     f"VALUES (?, ?, {NOW})", (profile_id, new_secret()))
+        return conn.execute("SELECT secret FROM webhook_secrets WHERE profile_id = ? AND "
+                            "retires_at IS NULL", (profile_id,)).fetchone()[0]
+
+
+def signing(conn: sqlite3.Connection, profile_id: str,
+            new_secret: Callable[[], str]) -> list[str]:
+    """Every secret that signs now: the current one first (created on first use), then
+    those retiring after a rotation."""
+    rows = _signing_rows(conn, profile_id)
+    if not rows or rows[0][1] is not None:
+        current(conn, profile_id, new_secret)
+        rows = _signing_rows(conn, profile_id)
+    return [secret for secret, _ in rows]
+
+
+def _signing_rows(conn: sqlite3.Connection, profile_id: str) -> list[tuple[str, float | None]]:
+    with db.ledger_errors():
+        return [tuple(r) for r in conn.execute(
+            "SELECT secret, retires_at FROM webhook_secrets WHERE profile_id = ? AND "
+            f"(retires_at IS NULL OR retires_at > {NOW}) "
+            "ORDER BY retires_at IS NOT NULL, created_at DESC", (profile_id,)).fetchall()]

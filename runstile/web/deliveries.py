@@ -1,0 +1,71 @@
+"""Delivery obligations over HTTP (SPEC §3.4 "Deliveries", §7).
+
+``GET /v1/runs/<id>/deliveries`` lists a run's obligations; a person re-arms a parked
+one (``POST /v1/deliveries/<id>/retry``) or settles it for good (``…/discard``).  An
+obligation is visible exactly when its run is (404 otherwise, never 403).
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, jsonify
+
+from .. import dispatch
+from ..errors import DeliveryInFlight, DeliveryNotFound, DeliverySettled, RunNotFound
+from ..ledger import obligations, runs
+from ..objects import delivery_object
+from .auth import authenticate, principal
+from .state import conn, state
+
+blueprint = Blueprint("deliveries", __name__)
+
+
+@blueprint.before_request
+def _authenticate() -> None:
+    authenticate()
+
+
+@blueprint.get("/v1/runs/<run_id>/deliveries")
+def list_deliveries(run_id: str):
+    if runs.get_visible(conn(), principal(), run_id) is None:
+        raise RunNotFound("no such run")
+    rows = obligations.for_run(conn(), run_id)
+    return jsonify({"object": "list", "data": [delivery_object(r) for r in rows],
+                    "has_more": False, "next_cursor": None})
+
+
+def _visible(delivery_id: str) -> dict:
+    row = obligations.get(conn(), delivery_id) if len(delivery_id) <= 64 else None
+    if row is None or runs.get_visible(conn(), principal(), row["run_id"]) is None:
+        raise DeliveryNotFound("no such delivery")
+    return row
+
+
+def _by() -> str:
+    return f"key:{principal().key_id}"
+
+
+@blueprint.post("/v1/deliveries/<delivery_id>/retry")
+def retry_delivery(delivery_id: str):
+    """parked -> pending with fresh attempts (200).  Already pending or in flight: 200,
+    nothing changes.  Delivered or discarded: 409 delivery_settled."""
+    _visible(delivery_id)
+    row, changed = obligations.rearm(conn(), delivery_id, by=_by())
+    if not changed and row["state"] in ("delivered", "discarded"):
+        raise DeliverySettled(f"the delivery is {row['state']}")
+    if changed:
+        dispatch.send_deliveries(state().settings, conn(), run_id=row["run_id"])
+        row = obligations.get(conn(), delivery_id)
+    return jsonify(delivery_object(row))
+
+
+@blueprint.post("/v1/deliveries/<delivery_id>/discard")
+def discard_delivery(delivery_id: str):
+    """pending | parked -> discarded (200); again: 200.  Delivered: 409
+    delivery_settled; an attempt under way: 409 delivery_in_flight (ask again)."""
+    _visible(delivery_id)
+    row, changed = obligations.discard(conn(), delivery_id, by=_by())
+    if not changed and row["state"] == "delivered":
+        raise DeliverySettled("the delivery was delivered")
+    if not changed and row["state"] == "attempting":
+        raise DeliveryInFlight("an attempt is under way; ask again when it ends")
+    return jsonify(delivery_object(row))
