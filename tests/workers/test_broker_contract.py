@@ -7,9 +7,14 @@ log file, never in the ledger.
 
 Brokers: Redis is a ``redis-server`` of the test's own (no persistence), so it can be
 stopped and restarted empty without touching the shared one.  RabbitMQ is the machine's
-shared server (no vhost of our own): the test purges runstile's queues before and after,
-and a purge stands in for "restarted empty".  Broker fixtures skip locally and fail under
-CI when the machine's broker is missing (conftest.broker_available).
+shared server (no vhost of our own) wherever the broker need not go away: the test purges
+runstile's queues before and after, and a purge stands in for "restarted empty".  The
+failed-publish case stops its broker under a running deployment, so there RabbitMQ is a
+node of the test's own (``own_rabbitmq``: ``rabbitmq-server`` on free ports, its files in
+the test's folder, killed and booted again with its mnesia directory wiped); the shared
+server on 5672 is never stopped.  Broker fixtures skip locally and fail under CI when the
+machine's broker (conftest.broker_available) or the server binary a test starts is
+missing.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -128,6 +134,184 @@ class OwnRedis(ExternalBroker):
         self.stop()
 
 
+class OwnRabbitmq(ExternalBroker):
+    """A RabbitMQ node of this test's own on free ports; a restart empties it.
+
+    The node runs as the current user from RabbitMQ's own start script (not a distro
+    wrapper that switches to the ``rabbitmq`` user), with every file in ``folder``: its
+    config (listener on 127.0.0.1 only: the system config binds 5672), an empty plugin
+    list (no management listener), its cookie (``HOME``), logs and mnesia.  It shares
+    only epmd with the machine's node.  ``stop`` kills it abruptly, as a crash would;
+    ``start`` wipes mnesia first, so nothing durable survives a restart.
+    """
+
+    kind = "rabbitmq"
+    #: RabbitMQ's start script, behind the wrapper Debian/Ubuntu put on PATH.
+    DEBIAN_SCRIPT = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+    SHARED_PORT = 5672
+
+    def __init__(self, folder: Path, script: str) -> None:
+        self.folder, self.script = folder, script
+        self.port, self.dist_port = free_port(), free_port()
+        self.node = f"rs_test_{self.port}@localhost"
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = folder / f"rabbitmq-{self.port}.log"
+        (folder / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = 127.0.0.1:{self.port}\n")
+        (folder / "enabled_plugins").write_text("[].\n")
+        (folder / "rabbitmq-env.conf").write_text("")  # not the system's env file
+
+    @classmethod
+    def script_or_skip(cls) -> str:
+        if cls.DEBIAN_SCRIPT.exists():
+            return str(cls.DEBIAN_SCRIPT)
+        found = shutil.which("rabbitmq-server")
+        if found is None:
+            message = "rabbitmq-server is not installed (the test starts a node of its own)"
+            if os.environ.get("CI"):
+                pytest.fail(message + " (CI is set, so this is a failure, not a skip)")
+            pytest.skip(message)
+        return found
+
+    def start(self) -> "OwnRabbitmq":
+        assert self.proc is None, "already running"
+        shutil.rmtree(self.folder / "mnesia", ignore_errors=True)  # restarted empty
+        self.dist_port = free_port()
+        f = self.folder
+        env = {**os.environ,
+               "HOME": str(f),  # the node's Erlang cookie lives here
+               "RABBITMQ_CONF_ENV_FILE": str(f / "rabbitmq-env.conf"),
+               "RABBITMQ_NODENAME": self.node,
+               "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+               "RABBITMQ_NODE_PORT": str(self.port),
+               "RABBITMQ_DIST_PORT": str(self.dist_port),
+               "RABBITMQ_CONFIG_FILE": str(f / "rabbitmq.conf"),
+               "RABBITMQ_ENABLED_PLUGINS_FILE": str(f / "enabled_plugins"),
+               "RABBITMQ_MNESIA_BASE": str(f / "mnesia"),
+               "RABBITMQ_LOG_BASE": str(f / "log"),
+               "RABBITMQ_LOGS": "-",  # to the log file below
+               "RABBITMQ_PID_FILE": str(f / "rabbitmq.pid"),
+               "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS":
+                   "-kernel inet_dist_use_interface {127,0,0,1}",
+               "ERL_EPMD_ADDRESS": "127.0.0.1"}
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([self.script], env=env, stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     cwd=f)
+        log.close()
+        try:
+            wait_until(self._answers, 60, 0.25, f"rabbitmq node {self.node} to accept AMQP")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"rabbitmq-server exited with {self.proc.returncode}:\n"
+                                 + self.log_path.read_text(errors="replace")[-4000:])
+        import pika
+        params = pika.URLParameters(self.url)
+        params.connection_attempts, params.socket_timeout = 1, 2
+        try:
+            pika.BlockingConnection(params).close()
+            return True
+        except pika.exceptions.AMQPError:
+            return False
+
+    @staticmethod
+    def _table() -> dict[int, tuple[int, str, str]]:
+        """Every process: pid -> (parent pid, state, start time)."""
+        table = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(stat.parent.name)] = (int(fields[1]), fields[0], fields[19])
+        return table
+
+    @staticmethod
+    def _command(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _listeners(*ports: int) -> set[int]:
+        out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True,
+                             timeout=30).stdout
+        pids = set()
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[3].rsplit(":", 1)[-1] in {str(p) for p in ports}:
+                pids.update(int(pid) for pid in re.findall(r"pid=(\d+)", line))
+        return pids
+
+    def stop(self) -> None:
+        """Kill the node at once, as a crash would, and wait until all of it is gone.
+
+        Its processes are the start script's descendants (erl_child_setup and its port
+        programs start sessions of their own, so killing the process group is not
+        enough; once beam dies they are orphans, so they are remembered by pid and start
+        time) and any beam.smp listening on this node's ports.  The machine's node
+        (listening on 5672) is never signalled.
+        """
+        if self.proc is None:
+            return
+        known: dict[int, str] = {}  # pid -> start time, so a reused pid is never hit
+        shared = self._listeners(self.SHARED_PORT)
+        assert self.proc.pid not in shared
+
+        def alive() -> set[int]:
+            # The script is not reaped before the end, so its pid stays ours meanwhile.
+            table = self._table()
+            roots = [self.proc.pid, *(pid for pid, started in known.items()
+                                      if pid in table and table[pid][2] == started)]
+            for pid in self._listeners(self.port, self.dist_port) - shared:
+                if pid in table and self._command(pid) == "beam.smp":
+                    roots.append(pid)
+            children = collections.defaultdict(list)
+            for pid, (ppid, _, _) in table.items():
+                children[ppid].append(pid)
+            while roots:
+                pid = roots.pop()
+                if pid in table and pid not in shared and pid != os.getpid():
+                    known.setdefault(pid, table[pid][2])
+                    roots.extend(c for c in children[pid] if c not in known)
+            return {pid for pid, started in known.items()
+                    if pid in table and table[pid][2] == started and table[pid][1] != "Z"}
+
+        def gone() -> bool:
+            left = alive()
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return not left
+        try:
+            wait_until(gone, 30, 0.1, f"rabbitmq node {self.node} to be gone")
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=20)
+            self.proc = None
+        wait_until(lambda: not self._listeners(self.port, self.dist_port), 20, 0.1,
+                   f"ports {self.port} and {self.dist_port} to close")
+
+    def lose_messages(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+
+
 class SharedRabbitmq(ExternalBroker):
     kind, url = "rabbitmq", RABBITMQ_URL
 
@@ -160,17 +344,24 @@ def broker(request, ledger, tmp_path):
                 pytest.fail(message)
             pytest.skip(message)
         made = OwnRedis(tmp_path).start()
+    elif kind == "own_rabbitmq":
+        made = OwnRabbitmq(tmp_path, OwnRabbitmq.script_or_skip())
+        made.start()
     else:
         broker_available("rabbitmq")
         made = SharedRabbitmq()
         made.purge()
-    yield made
-    made.close()
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 ALL = [pytest.param("embedded"), pytest.param("redis", marks=pytest.mark.broker),
        pytest.param("rabbitmq", marks=pytest.mark.broker)]
-EXTERNAL = ALL[1:]
+#: Brokers the test may stop and restart empty: servers of its own.
+STOPPABLE = [pytest.param("redis", marks=pytest.mark.broker),
+             pytest.param("own_rabbitmq", marks=pytest.mark.broker)]
 
 
 # -- deployments ------------------------------------------------------------------------
@@ -384,26 +575,20 @@ def test_every_message_published_twice_still_executes_each_run_once(deploy, brok
     assert ledger.query("SELECT COUNT(*) FROM events WHERE type = 'run.started'") == [(30,)]
 
 
-@pytest.mark.parametrize("broker", EXTERNAL, indirect=True)
+@pytest.mark.parametrize("broker", STOPPABLE, indirect=True)
 def test_a_failed_publish_still_answers_202_and_recovery_publishes_the_run(deploy, broker,
                                                                          ledger, tmp_path):
     # No scheduled pass: the one-shot `runstile recover` (cron) does the re-publishing.
     quiet = {"RUNSTILE_RECOVERY_INTERVAL_S": "3600"}
-    if broker.kind == "redis":
-        deployment = deploy(quiet)
-        broker.stop()  # the broker goes away under a running deployment
-    else:
-        # The shared RabbitMQ cannot be stopped: the web publishes to a closed port.
-        deployment = deploy(quiet, web_env={
-            "RUNSTILE_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F"})
+    deployment = deploy(quiet)
+    broker.stop()  # the broker goes away under a running deployment
     log = tmp_path / "executions.log"
     started = time.monotonic()
     ids = submit(deployment.api, log, 20)
     assert time.monotonic() - started < 15, "a down broker must not hold admissions"
     assert unsent(ledger) == 20, "each record stays unsent, waiting for recovery"
     assert statuses(ledger) == {"queued": 20}
-    if broker.kind == "redis":
-        broker.start()  # back, empty
+    broker.start()  # back, empty
     report = recover(deployment, quiet)
     assert report["counts"].get("published") == 20
     wait_completed(ledger, 20)
