@@ -68,9 +68,14 @@ BEGIN
                              occurred_at, next_attempt_at, created_at, updated_at)
     SELECT 'msg_' || lower(hex(randomblob(16))), r.id, r.profile_id, 'callback', new.type,
            r.callback_url,
+           -- Times as text with 17 digits: JSON's 15 would shift some by a millisecond.
            json_object('status', r.status, 'attempt', r.attempt,
-                       'updated_at', r.updated_at, 'started_at', r.started_at,
-                       'finished_at', r.finished_at, 'error_code', r.error_code,
+                       'updated_at', printf('%!.17g', r.updated_at),
+                       'started_at', iif(r.started_at IS NULL, NULL,
+                                         printf('%!.17g', r.started_at)),
+                       'finished_at', iif(r.finished_at IS NULL, NULL,
+                                          printf('%!.17g', r.finished_at)),
+                       'error_code', r.error_code,
                        'error_message', r.error_message,
                        'recovery_attempts', r.recovery_attempts,
                        'recovery_reason', r.recovery_reason, 'approval', r.approval),

@@ -44,6 +44,9 @@ def payload(obligation: dict, run: dict | None) -> dict:
                   "timestamp": rfc3339(obligation["occurred_at"])}
     if obligation["kind"] == "callback":
         snapshot = json.loads(obligation["snapshot"] or "{}")
+        for name in ("updated_at", "started_at", "finished_at"):
+            if snapshot.get(name) is not None:
+                snapshot[name] = float(snapshot[name])  # stored as exact text
         body["data"] = run_object({**(run or {}), **snapshot})
         if snapshot.get("status") != "completed":
             body["data"]["result"] = None  # a notice sent after the run went on to finish

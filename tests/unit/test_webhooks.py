@@ -19,65 +19,9 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from runstile import netguard, webhooks
 from runstile.webhooks import Outcome, deliver, next_delay_s
+from tests.receiver import Receiver, answer_with as _answer
 
 LOOPBACK = ("127.0.0.0/8",)
-
-
-class Receiver:
-    """An http.server on 127.0.0.1 in a thread that records every request it gets.
-
-    ``answer(handler)`` writes the response; the default is 204 No Content.
-    """
-
-    def __init__(self, answer=None, tls: ssl.SSLContext | None = None):
-        self.requests: list[dict] = []
-        self.server_names: list[str | None] = []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                length = int(self.headers.get("content-length") or 0)
-                receiver.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
-                                          "body": self.rfile.read(length)})
-                (answer or _no_content)(self)
-
-            do_GET = do_POST
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.server.handle_error = lambda request, address: None  # clients hang up on purpose
-        if tls is not None:
-            tls.sni_callback = lambda sock, name, ctx: self.server_names.append(name)
-            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def url(self, host: str = "127.0.0.1", path: str = "/hook", scheme: str = "http") -> str:
-        return f"{scheme}://{host}:{self.port}{path}"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _no_content(handler):
-    handler.send_response(204)
-    handler.end_headers()
-
-
-def _answer(status: int, headers: dict | None = None, body: bytes = b""):
-    def answer(handler):
-        handler.send_response(status)
-        for name, value in (headers or {}).items():
-            handler.send_header(name, value)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-    return answer
 
 
 @pytest.fixture
@@ -189,23 +133,57 @@ def test_an_allowlisted_local_receiver_gets_the_body_and_signed_headers(receiver
     assert Webhook(secret).verify(got["body"], got["headers"]) == json.loads(body)
 
 
+@pytest.fixture
+def connections(monkeypatch):
+    """Every address a socket of this process tries to connect to, recorded at the
+    socket layer (below http.client and the deliverer, so nothing can bypass it)."""
+    attempted: list = []
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def connect(sock, address):
+        attempted.append(address)
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        attempted.append(address)
+        return real_connect_ex(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    return attempted
+
+
 @pytest.mark.parametrize("host", ["127.1", "2130706433", "0x7f.1", "[::ffff:127.0.0.1]",
                                   "0.0.0.0", "169.254.169.254", "[::1]", "10.0.0.1",
                                   "localhost"])
-def test_a_loopback_private_or_metadata_target_is_refused_without_a_connection(receivers, host):
+def test_a_loopback_private_or_metadata_target_is_refused_without_a_connection(
+        receivers, connections, host):
     receiver = receivers()
     outcome = deliver(receiver.url(host), b"{}", _signed(b"{}", [webhooks.new_secret()]),
                       resolver=_no_dns, connect_timeout_s=0.5)
     assert outcome.kind == "refused" and outcome.status is None and outcome.error
+    assert connections == [], "no connection may even be attempted"
     assert receiver.requests == []
 
 
-def test_a_name_that_resolves_to_loopback_is_refused_without_a_connection(receivers):
+def test_a_name_that_resolves_to_loopback_is_refused_without_a_connection(receivers,
+                                                                          connections):
     receiver = receivers()
     outcome = deliver(receiver.url("evil.example"), b"{}", {},
                       resolver=_resolving({"evil.example": ["127.0.0.1"]}))
     assert outcome.kind == "refused" and "127.0.0.1" in outcome.error
+    assert connections == [], "no connection may even be attempted"
     assert receiver.requests == []
+
+
+def test_a_redirect_to_a_refused_address_is_not_followed(receivers, connections):
+    # The receiver itself is allow-listed (by port-less host 127.0.0.1); where it points
+    # the deliverer (the metadata address) is never connected to, nor is anything else.
+    redirecting = receivers(_answer(302, {"Location": "http://169.254.169.254/latest/"}))
+    outcome = deliver(redirecting.url(), b"{}", {}, allowlist=("127.0.0.1",))
+    assert outcome.kind == "retry" and outcome.status == 302
+    assert connections == [("127.0.0.1", redirecting.port)]
+    assert len(redirecting.requests) == 1
 
 
 def test_a_name_is_refused_when_any_one_of_its_addresses_is_refused(receivers):
@@ -337,7 +315,7 @@ def test_a_closed_port_is_retried():
 
 
 def _endless(status: int):
-    def answer(handler):
+    def answer(handler, record=None):
         handler.send_response(status)
         handler.end_headers()  # no Content-Length: the body runs until the connection ends
         chunk = b"x" * 65536

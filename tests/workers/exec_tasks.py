@@ -221,3 +221,15 @@ def needs_approval(ctx, input):
         ctx.step("publish", lambda: log_line(input["log"], f"call publish {ctx.run_id}") or "ok")
         return {"published": True}
     return {"published": False}
+
+
+@runstile.task("t.deliver", on_crash="resume")
+def delivers(ctx, input):
+    """``count`` ctx.deliver calls, then (optionally) an approval: a body that runs again
+    (after a crash or the decision) replays the deliveries instead of repeating them."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    ids = [ctx.deliver(input["url"], {"n": n, "run": ctx.run_id})
+           for n in range(input.get("count", 1))]
+    if input.get("approval"):
+        ctx.request_approval({"deliveries": len(ids)})
+    return {"deliveries": ids}
