@@ -273,6 +273,54 @@ class System(Server):
         return self
 
 
+@dataclass
+class Workers:
+    """A real ``runstile worker`` (supervisor, boot recovery, worker processes)."""
+
+    data_dir: Path
+    env: dict
+    workers: int = 2
+    threads: int = 4
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self) -> "Workers":
+        env = {**os.environ, **self.env}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.log_path = self.data_dir.parent / f"worker-{time.monotonic_ns()}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [*RUNSTILE, "worker", "--data-dir", str(self.data_dir), "--workers",
+             str(self.workers), "--threads", str(self.threads)], env=env, stdout=log, stderr=log, start_new_session=True,
+            cwd=ROOT)
+        log.close()
+        wait_until(self._up, 30, 0.05, "runstile worker to boot")
+        return self
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+        return "runstile workers up" in self.log()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        wait_until(lambda: not _group_alive(self.proc.pid), 10, 0.05, "worker group to exit")
+        self.proc = None
+
+
 @pytest.fixture
 def make_system(ledger):
     systems: list[System] = []

@@ -35,8 +35,8 @@ import pytest
 from runstile import dispatch
 from runstile.config import Settings
 from runstile.ledger import broker_queue, db
-from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, _group_alive,
-                            broker_available, free_port, wait_until)
+from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, Workers,
+                            _group_alive, broker_available, free_port, wait_until)
 
 TASKS = "tests.workers.exec_tasks,runstile.demo"
 #: Short leases so that recovery's "queued long after dispatch" (2 leases) comes in 4 s.
@@ -365,52 +365,6 @@ STOPPABLE = [pytest.param("redis", marks=pytest.mark.broker),
 
 
 # -- deployments ------------------------------------------------------------------------
-
-@dataclass
-class Workers:
-    """A real ``runstile worker`` (supervisor, boot recovery, worker processes)."""
-
-    data_dir: Path
-    env: dict
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-
-    def start(self) -> "Workers":
-        env = {**os.environ, **self.env}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self.log_path = self.data_dir.parent / f"worker-{time.monotonic_ns()}.log"
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [*RUNSTILE, "worker", "--data-dir", str(self.data_dir), "--workers", "2",
-             "--threads", "4"], env=env, stdout=log, stderr=log, start_new_session=True,
-            cwd=ROOT)
-        log.close()
-        wait_until(self._up, 30, 0.05, "runstile worker to boot")
-        return self
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
-        return "runstile workers up" in self.log()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path else ""
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        wait_until(lambda: not _group_alive(self.proc.pid), 10, 0.05, "worker group to exit")
-        self.proc = None
-
 
 @dataclass
 class Deployment:
