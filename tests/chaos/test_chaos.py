@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from runstile.ledger import broker_queue, db
 from tests.chaos.chaos_tasks import TASKS
 from tests.chaos.harness import Clients, History, check, quiesce, scaled
 from tests.conftest import ROOT, Server, Workers, wait_until
+from tests.workers.test_broker_contract import OwnRedis
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -238,3 +240,39 @@ def test_1000_concurrent_identical_posts_make_one_run(ledger):
         TABLE.append(("1,000 identical concurrent POSTs", 0, 1000, 1000, 0, 0, 0, 0, 0))
     finally:
         web.kill()
+
+
+def test_redis_frozen_then_restarted_empty_under_load_loses_and_duplicates_nothing(
+        ledger, tmp_path):
+    """The broker SIGSTOPped during load (publishes time out, admissions still answer),
+    resumed, then killed and restarted empty (every message in it lost): recovery
+    re-publishes, and every acknowledged run executes, once."""
+    if shutil.which("redis-server") is None:
+        message = "redis-server is not installed (the scenario starts one of its own)"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    redis = OwnRedis(tmp_path).start()
+    log = tmp_path / "executions.log"
+    env = {**ENV, "RUNSTILE_BROKER_URL": redis.url}
+    key = ledger.key()
+    workers = Workers(ledger.data_dir, env, workers=2, threads=4).start()
+    web = Server(ledger.data_dir, env, web_workers=2).start()
+    history = History()
+    clients = Clients(web.url, key.secret, history, body_for(log), threads=6,
+                      pause_s=0.02).start()
+    try:
+        for _ in range(scaled(1, 3)):
+            time.sleep(scaled(3, 6))
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            time.sleep(scaled(3, 6))
+            os.kill(redis.proc.pid, signal.SIGCONT)
+            time.sleep(scaled(3, 6))
+            redis.lose_messages()  # killed and started again, empty
+    finally:
+        clients.stop()
+    try:
+        settle_and_check(ledger, history, log, "Redis frozen, then restarted empty",
+                         scaled(1, 3))
+    finally:
+        web.kill()
+        workers.kill()
+        redis.close()
