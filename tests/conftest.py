@@ -103,6 +103,36 @@ def shared_ledger(tmp_path_factory) -> Ledger:
     return _new_ledger(tmp_path_factory.mktemp("shared"))
 
 
+@pytest.fixture
+def tiny_disk(request, tmp_path):
+    """A small tmpfs (4 MiB; parametrize ``tiny_disk`` indirectly with another size): a
+    real filesystem that really fills up.  Needs root (mount)."""
+    size = getattr(request, "param", "4m")
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                             str(mount_point)], capture_output=True, text=True)
+    if result.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs for the disk-full test: {result.stderr}")
+        pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def fill(folder: Path) -> Path:
+    """Write a filler file into ``folder`` until its filesystem refuses; return it."""
+    filler = folder / "filler"
+    with open(filler, "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 65536)
+                handle.flush()
+        except OSError:
+            pass
+    return filler
+
+
 @dataclass
 class Server:
     """A real ``runstile serve`` (gunicorn) on a loopback port."""

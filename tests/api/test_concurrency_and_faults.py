@@ -6,18 +6,16 @@ Real gunicorn processes, a real ledger file, real locks, a real full disk.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sqlite3
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 
-from tests.conftest import Api, Ledger, Server, wait_until
+from tests.conftest import Api, Ledger, Server, fill, wait_until
 
 SIMULTANEOUS = 24
 
@@ -81,33 +79,6 @@ def test_a_ledger_locked_past_the_timeout_answers_503_and_writes_nothing(make_se
     assert ledger.query("SELECT COUNT(*) FROM runs")[0][0] == 0
     retry = api.post_run({"task": "echo"}, idempotency_key="while-locked")
     assert retry.status_code == 202 and retry.json()["replayed"] is False
-
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 4 MiB tmpfs: a real filesystem that really fills up.  Needs root (mount)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs for the disk-full test: {result.stderr}")
-        pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
-
-def fill(folder: Path) -> Path:
-    filler = folder / "filler"
-    with open(filler, "wb") as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 65536)
-                handle.flush()
-        except OSError:
-            pass
-    return filler
 
 
 def test_a_full_disk_answers_503_and_service_resumes_when_space_returns(tiny_disk):
