@@ -37,6 +37,7 @@ from runstile.config import Settings
 from runstile.ledger import broker_queue, db
 from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, Workers,
                             _group_alive, broker_available, free_port, wait_until)
+from tests.receiver import Receiver
 
 TASKS = "tests.workers.exec_tasks,runstile.demo"
 #: Short leases so that recovery's "queued long after dispatch" (2 leases) comes in 4 s.
@@ -567,3 +568,21 @@ def test_messages_lost_by_the_broker_are_republished_and_run_once(deploy, broker
     republished = ledger.query("SELECT COUNT(DISTINCT run_id) FROM dispatches "
                                "WHERE reason = 'republished'")[0][0]
     assert republished == 20
+
+
+@pytest.mark.parametrize("broker", ALL, indirect=True)
+def test_a_runs_callback_and_its_task_deliveries_go_out_through_the_broker(deploy, broker,
+                                                                          ledger, tmp_path):
+    hook = Receiver()
+    try:
+        deployment = deploy({"RUNSTILE_CALLBACK_ALLOWLIST": "127.0.0.1"})
+        rid = deployment.api.post_run({"task": "t.deliver", "callback_url": hook.url(), "input": {
+            "log": str(tmp_path / "log"), "url": hook.url(), "count": 2}}).json()["id"]
+        wait_until(lambda: len(hook.received()) == 3, 30, 0.05, "two deliveries, one callback")
+        types = sorted(json.loads(r["body"])["type"] for r in hook.received())
+        assert types == ["run.completed", "task.delivery", "task.delivery"]
+        wait_until(lambda: ledger.query("SELECT DISTINCT state FROM obligations WHERE "
+                                        "run_id = ?", (rid,)) == [("delivered",)], 10, 0.05,
+                   "all three delivered")
+    finally:
+        hook.close()
