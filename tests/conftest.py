@@ -174,23 +174,28 @@ class Server:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (master and workers) and reap the master."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=15)
-        # gunicorn workers may outlive a SIGKILLed master for a moment; reap the group.
-        wait_until(lambda: not _group_alive(self.proc.pid), 10, 0.05, "process group to exit")
+        kill_group(self.proc, sig)
         self.proc = None
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+
+def kill_group(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
+    """Signal a process group led by ``proc`` (SIGKILL if it outlives 20 s) and wait
+    until every member is gone: children may outlive a SIGKILLed leader for a moment."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+    wait_until(lambda: not _group_alive(proc.pid), 10, 0.05, "process group to exit")
 
 
 def _group_alive(pgid: int) -> bool:
@@ -336,19 +341,24 @@ class Workers:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        wait_until(lambda: not _group_alive(self.proc.pid), 10, 0.05, "worker group to exit")
+        """Signal the whole process group (supervisor and workers) and reap it."""
+        kill_group(self.proc, sig)
         self.proc = None
+
+
+@pytest.fixture
+def receiver():
+    """Make loopback webhook receivers (tests/receiver.py); closed after the test."""
+    from tests.receiver import Receiver
+    made: list = []
+
+    def make(answer=None):
+        made.append(Receiver(answer))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
 
 
 @pytest.fixture

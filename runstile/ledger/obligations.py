@@ -208,32 +208,30 @@ def rearm_orphans(conn: sqlite3.Connection, *, node_id: str, generation: int,
 def rearm(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dict, bool] | None:
     """parked -> pending with a fresh set of attempts: (row, changed).  Repeats, and a
     retry of one that is already pending or in flight, change nothing."""
-    with db.transaction(conn):
-        row = conn.execute(
-            "UPDATE obligations SET state = 'pending', attempts = 0, next_attempt_at = "
-            f"{NOW}, message_due_at = NULL, settled_at = NULL, settled_by = ?, "
-            f"updated_at = {NOW} WHERE id = ? AND state = 'parked' RETURNING *",
-            (by, obligation_id)).fetchone()
-        if row is not None:
-            events.append(conn, row["run_id"], "delivery.rearmed",
-                          {"delivery_id": obligation_id, "by": by})
-            return dict(row), True
-        current = conn.execute("SELECT * FROM obligations WHERE id = ?",
-                               (obligation_id,)).fetchone()
-    return None if current is None else (dict(current), False)
+    return _decide(conn, obligation_id, by, "delivery.rearmed",
+                   "state = 'pending', attempts = 0, next_attempt_at = " + NOW + ", "
+                   "message_due_at = NULL, settled_at = NULL", ("parked",))
 
 
 def discard(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dict, bool] | None:
     """pending | parked -> discarded, for good: (row, changed).  Not while an attempt
     is in flight (its outcome would race the decision)."""
+    return _decide(conn, obligation_id, by, "delivery.discarded",
+                   f"state = 'discarded', settled_at = {NOW}", ("pending", "parked"))
+
+
+def _decide(conn, obligation_id: str, by: str, event: str, assignments: str,
+            from_states: tuple[str, ...]) -> tuple[dict, bool] | None:
+    """A person's decision: one guarded UPDATE and its event, or the row as it stands
+    (None if there is no such obligation)."""
+    marks = ", ".join("?" for _ in from_states)
     with db.transaction(conn):
         row = conn.execute(
-            f"UPDATE obligations SET state = 'discarded', settled_at = {NOW}, settled_by = ?, "
-            f"updated_at = {NOW} WHERE id = ? AND state IN ('pending', 'parked') RETURNING *",
-            (by, obligation_id)).fetchone()
+            f"UPDATE obligations SET {assignments}, settled_by = ?, updated_at = {NOW} "
+            f"WHERE id = ? AND state IN ({marks}) RETURNING *",
+            (by, obligation_id, *from_states)).fetchone()
         if row is not None:
-            events.append(conn, row["run_id"], "delivery.discarded",
-                          {"delivery_id": obligation_id, "by": by})
+            events.append(conn, row["run_id"], event, {"delivery_id": obligation_id, "by": by})
             return dict(row), True
         current = conn.execute("SELECT * FROM obligations WHERE id = ?",
                                (obligation_id,)).fetchone()

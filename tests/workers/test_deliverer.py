@@ -19,22 +19,9 @@ from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.recovery import reconcile
 from runstile.workers.delivery import Deliverer
-from tests.receiver import Receiver, answer_with
+from tests.receiver import answer_with
 
 OWNER = Owner("node-a", 1, 4242, 7)
-
-
-@pytest.fixture
-def receiver():
-    made: list[Receiver] = []
-
-    def make(answer=None) -> Receiver:
-        made.append(Receiver(answer))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
 
 
 @pytest.fixture

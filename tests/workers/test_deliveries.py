@@ -15,7 +15,7 @@ import requests
 from standardwebhooks.webhooks import Webhook
 
 from tests.conftest import ROOT, RUNSTILE, Api, System, wait_for_status, wait_until
-from tests.receiver import Receiver, answer_with
+from tests.receiver import answer_with
 
 #: The receivers listen on loopback, which the SSRF guard refuses unless allow-listed.
 LOOPBACK = {"RUNSTILE_CALLBACK_ALLOWLIST": "127.0.0.1"}
@@ -23,19 +23,6 @@ FAST = {**LOOPBACK, "RUNSTILE_LEASE_S": "2", "RUNSTILE_HEARTBEAT_S": "0.5",
         "RUNSTILE_RECOVERY_INTERVAL_S": "0.5", "RUNSTILE_DRAIN_TIMEOUT_S": "1",
         "RUNSTILE_DELIVERY_BACKOFF_S": "0.05", "RUNSTILE_DELIVERY_BACKOFF_MAX_S": "0.5",
         "RUNSTILE_DELIVERY_CONNECT_TIMEOUT_S": "1", "RUNSTILE_DELIVERY_READ_TIMEOUT_S": "0.5"}
-
-
-@pytest.fixture
-def receiver():
-    made: list[Receiver] = []
-
-    def make(answer=None) -> Receiver:
-        made.append(Receiver(answer))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
 
 
 def cli(ledger, *args: str) -> str:
