@@ -80,6 +80,7 @@ def test_capabilities_describe_the_contract(api):
     assert "queued" in caps["statuses"]
     assert caps["events"]["resumable"] is True
     assert isinstance(caps["node"]["generation"], int)
+    assert caps["webhooks"]["max_attempts"] == 12 and caps["webhooks"]["follows_redirects"] is False
 
 
 def test_openapi_covers_every_route_the_app_serves(api):
