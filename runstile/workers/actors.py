@@ -111,6 +111,10 @@ class Executor:
             if not isinstance(exc, LeaseLostInterrupt):
                 # A pause, a parked approval or a time limit may owe its callback a notice.
                 dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
+            if isinstance(exc, (PausedInterrupt, TimeLimitInterrupt)) and run["session_key"]:
+                # The pause or the failure freed the session: publish its next run's
+                # dispatch now (Redis/RabbitMQ; the embedded broker's committed with it).
+                self._publish_session_successor(run)
             return
         except Stopped:
             # The grace interrupt landed after the body had already returned: still a stop.
@@ -135,8 +139,11 @@ class Executor:
         if finished["session_key"] is not None:
             # The run freed its session: publish the next run's dispatch (Redis/RabbitMQ;
             # the embedded broker's message committed with the outcome).
-            dispatch.publish_pending(self.settings, self.pool.get(), session=(
-                finished["profile_id"], finished["key_id"], finished["session_key"]))
+            self._publish_session_successor(finished)
+
+    def _publish_session_successor(self, run: dict) -> None:
+        dispatch.publish_pending(self.settings, self.pool.get(), session=(
+            run["profile_id"], run["key_id"], run["session_key"]))
 
     def _retry(self, run: dict, owner: Owner, spec: registry.TaskSpec, outcome: dict) -> bool:
         """SPEC §5 task retries: a raising body with retries left is re-queued with
