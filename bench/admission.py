@@ -6,6 +6,9 @@
                one durable SQLite insert (WAL, synchronous=FULL, BEGIN IMMEDIATE).
 (c) raw        one process committing one row per transaction with the same settings:
                the disk's durable-commit ceiling (rows/s).
+(d) flask-noop bench/peers/flask_noop.py under the same gunicorn setup as (b): parse the
+               body, answer 202, no SQLite -- the ceiling of any durable endpoint on
+               this stack.
 
 Every target gets a fresh temporary data directory and a free port; every server is
 started in its own process group and killed (group-wide) when its target ends, even on
@@ -227,6 +230,27 @@ def bench_baseline(cfg: Settings) -> HttpResult:
         finally:
             server.stop()
         result.rows_in_db = count_rows(db, "runs")
+        return result
+
+
+def bench_flask_noop(cfg: Settings) -> HttpResult:
+    """(d) The Flask no-op ceiling: bench/peers/flask_noop.py under the baseline's exact
+    gunicorn setup; parses the body and answers 202 without touching SQLite."""
+    with temp_dir("bench-flask-noop-", cfg.keep) as data:
+        port = free_port()
+        server = Server([str(BIN / "gunicorn"), "-w", str(GUNICORN_WORKERS), "-k", "gthread",
+                         "--threads", str(GUNICORN_THREADS), "-b", f"{HOST}:{port}",
+                         "--timeout", "30", "--graceful-timeout", "10", "--keep-alive", "5",
+                         "--log-level", "warning", "bench.peers.flask_noop:app"],
+                        clean_env(), data / "server.log", port)
+        try:
+            server.wait_ready()
+            headers = {"Authorization": "Bearer rsk_0000000000000000_" + "x" * 43,
+                       "Content-Type": "application/json"}
+            result = _measure(server, headers, cfg, tag=f"nf-{os.getpid()}-{time.time_ns()}")
+        finally:
+            server.stop()
+        result.rows_in_db = result.load.accepted     # nothing is stored, by design
         return result
 
 

@@ -16,6 +16,13 @@ directory and free ports, each in process groups that are killed when it ends:
   dramatiq-redis  bare Dramatiq, RedisBroker on a private redis-server (no persistence),
                   2 processes x 4 threads, a no-op actor.  No durability guarantee
                   comparable to the others: a reference for the cost of the ledger.
+  runstile-redis  ``runstile worker --workers 2 --threads 4`` + ``runstile serve
+                  --web-workers 2`` with RUNSTILE_BROKER_URL on a private redis-server
+                  (the same one dramatiq-redis gets): the same ledger, Redis transport.
+  dramatiq-rabbitmq  bare Dramatiq, RabbitmqBroker on the machine's RabbitMQ (a queue
+                  name unique to the run, deleted afterwards), 2 processes x 4 threads.
+  huey-sqlite     huey's SqliteHuey as shipped (WAL, synchronous FULL): two
+                  ``huey_consumer -w 4 -k thread`` processes on one file (2 x 4).
 
 For each: N runs submitted by 16 closed-loop clients (processes x threads, one
 submission in flight per client), runs/s = N / (first submission -> last run
@@ -60,7 +67,12 @@ RUNSTILE = [sys.executable, "-m", "runstile"]
 #: Seconds between two polls of a target's completion count.
 POLL_S = 0.02
 
-ALL_TARGETS = ("runstile", "dbos", "dbos-wal", "dramatiq-redis")
+ALL_TARGETS = ("runstile", "dbos", "dbos-wal", "dramatiq-redis", "runstile-redis",
+               "dramatiq-rabbitmq", "huey-sqlite")
+#: huey release installed on demand, like DBOS (never a runstile dependency).
+HUEY_VERSION = "3.5.4"
+#: The machine's shared RabbitMQ (the bench only ever creates and deletes its own queue).
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672"
 
 
 @dataclass
@@ -74,6 +86,9 @@ class ExecSettings:
     timeout_s: float
     dbos_poll_s: float
     dbos_concurrency: str
+    huey_delay_s: float
+    huey_max_delay_s: float
+    amqp_url: str
     targets: tuple[str, ...]
     install: bool
     keep: bool
@@ -96,6 +111,9 @@ class ExecSettings:
                    timeout_s=float(env("BENCH_E2E_TIMEOUT", "180")),
                    dbos_poll_s=float(env("BENCH_DBOS_POLL_S", "0.01")),
                    dbos_concurrency=env("BENCH_DBOS_WORKER_CONCURRENCY", str(WORKER_THREADS)),
+                   huey_delay_s=float(env("BENCH_HUEY_DELAY_S", "0.1")),
+                   huey_max_delay_s=float(env("BENCH_HUEY_MAX_DELAY_S", "10")),
+                   amqp_url=env("BENCH_AMQP_URL", AMQP_URL),
                    targets=targets,
                    install=env("BENCH_NO_INSTALL") != "1",
                    keep=env("BENCH_KEEP") == "1")
@@ -152,6 +170,7 @@ class Group:
         self.log_path = log_path
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
+        self.version: str | None = None      # of the server it runs, when known
 
     @property
     def pgids(self) -> list[int]:
@@ -482,6 +501,41 @@ def _runstile_factory(port: int, secret: str) -> Factory:
     return per_process
 
 
+def _runstile_key(data: Path, env: dict[str, str]) -> str:
+    created = subprocess.run(
+        [*RUNSTILE, "keys", "create", "--profile", "bench", "--json",
+         "--data-dir", str(data)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if created.returncode != 0:
+        raise RuntimeError(f"keys create failed ({created.returncode}): {created.stderr}")
+    return json.loads(created.stdout.strip().splitlines()[-1])["secret"]
+
+
+def _measure_runstile(res: TargetResult, cfg: ExecSettings, work: Path, data: Path,
+                      port: int, secret: str, groups: list[Group]) -> Throughput:
+    """Latency probe then closed-loop throughput against a running runstile; the
+    ledger's own record says what started and what completed."""
+    factory = _runstile_factory(port, secret)
+    ledger = data / "ledger.db"
+    res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as c:
+        res.ledger_latency_ms = [
+            row[0] * 1000.0 for row in c.execute(
+                "SELECT started_at - created_at FROM runs WHERE "
+                "json_extract(input, '$.tag') LIKE 'lat-%' AND started_at IS NOT NULL")]
+        before = c.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'"
+                           ).fetchone()[0]
+    tp = closed_loop(factory, cfg.runs, cfg, tag=f"tp-{os.getpid()}-{time.time_ns()}",
+                     count_done=lambda: _count(
+                         ledger, "SELECT COUNT(*) FROM runs WHERE "
+                         "status = 'completed'") - before,
+                     groups=groups)
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as c:
+        res.config["statuses_after"] = dict(c.execute(
+            "SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall())
+    return tp
+
+
 def bench_runstile(cfg: ExecSettings) -> TargetResult:
     res = TargetResult("runstile", runs=cfg.runs, config={
         "command": f"python -m runstile up --workers {WORKER_PROCESSES} --threads {WORKER_THREADS} "
@@ -490,13 +544,7 @@ def bench_runstile(cfg: ExecSettings) -> TargetResult:
     with temp_dir("bench-exec-runstile-", cfg.keep) as work:
         data = work / "data"
         env = clean_env()
-        created = subprocess.run(
-            [*RUNSTILE, "keys", "create", "--profile", "bench", "--json",
-             "--data-dir", str(data)],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-        if created.returncode != 0:
-            raise RuntimeError(f"keys create failed ({created.returncode}): {created.stderr}")
-        secret = json.loads(created.stdout.strip().splitlines()[-1])["secret"]
+        secret = _runstile_key(data, env)
         port = free_port()
         group = Group("runstile up", work / "up.log")
         try:
@@ -508,26 +556,52 @@ def bench_runstile(cfg: ExecSettings) -> TargetResult:
             group.wait_log("worker up:", WORKER_PROCESSES)
             if "bootstrap admin key" in group.log_text():
                 raise RuntimeError("runstile up printed a bootstrap key although one existed")
-            factory = _runstile_factory(port, secret)
-            ledger = data / "ledger.db"
-            res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
-            with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as c:
-                res.ledger_latency_ms = [
-                    row[0] * 1000.0 for row in c.execute(
-                        "SELECT started_at - created_at FROM runs WHERE "
-                        "json_extract(input, '$.tag') LIKE 'lat-%' AND started_at IS NOT NULL")]
-                before = c.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'"
-                                   ).fetchone()[0]
-            tp = closed_loop(factory, cfg.runs, cfg, tag=f"tp-{os.getpid()}-{time.time_ns()}",
-                             count_done=lambda: _count(
-                                 ledger, "SELECT COUNT(*) FROM runs WHERE "
-                                 "status = 'completed'") - before,
-                             groups=[group])
-            with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as c:
-                res.config["statuses_after"] = dict(c.execute(
-                    "SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall())
+            tp = _measure_runstile(res, cfg, work, data, port, secret, [group])
         finally:
             group.stop()
+        _fill(res, tp)
+        return res
+
+
+def bench_runstile_redis(cfg: ExecSettings) -> TargetResult:
+    """``runstile worker`` + ``runstile serve`` with RUNSTILE_BROKER_URL on a private
+    redis-server: the same ledger and durability, Redis as the transport."""
+    res = TargetResult("runstile-redis", runs=cfg.runs, config={
+        "command": f"RUNSTILE_BROKER_URL=redis://… python -m runstile worker --workers "
+                   f"{WORKER_PROCESSES} --threads {WORKER_THREADS} --tasks bench.bench_tasks; "
+                   f"python -m runstile serve --web-workers {WEB_WORKERS} --tasks "
+                   "bench.bench_tasks",
+        "broker": "Redis (private redis-server --save '' --appendonly no)",
+        "durability": "ledger defaults (WAL, synchronous=FULL); Redis only carries messages"})
+    with temp_dir("bench-exec-runstile-redis-", cfg.keep) as work:
+        data = work / "data"
+        rgroup = Group("redis-server", work / "redis.log")
+        wgroup = Group("runstile worker", work / "worker.log")
+        sgroup = Group("runstile serve", work / "serve.log")
+        try:
+            url, client = _start_redis(rgroup, work)
+            client.close()
+            res.config["redis_server"] = rgroup.version
+            env = clean_env(RUNSTILE_BROKER_URL=url, RUNSTILE_NODE_ID="bench-redis")
+            secret = _runstile_key(data, env)
+            # The worker first: serve's /readyz waits for the worker's boot recovery.
+            wgroup.start([*RUNSTILE, "worker", "--data-dir", str(data), "--workers",
+                          str(WORKER_PROCESSES), "--threads", str(WORKER_THREADS),
+                          "--tasks", "bench.bench_tasks"], env)
+            wgroup.wait_log("worker up:", WORKER_PROCESSES)
+            port = free_port()
+            sgroup.start([*RUNSTILE, "serve", "--data-dir", str(data), "--port", str(port),
+                          "--web-workers", str(WEB_WORKERS), "--tasks", "bench.bench_tasks"],
+                         env)
+            _wait_http_ready(port, sgroup)
+            if "bootstrap admin key" in sgroup.log_text() + wgroup.log_text():
+                raise RuntimeError("runstile printed a bootstrap key although one existed")
+            tp = _measure_runstile(res, cfg, work, data, port, secret,
+                                   [sgroup, wgroup, rgroup])
+        finally:
+            sgroup.stop()
+            wgroup.stop()
+            rgroup.stop()
         _fill(res, tp)
         return res
 
@@ -548,30 +622,33 @@ def _fill(res: TargetResult, tp: Throughput) -> None:
 
 # --------------------------------------------------------------------------- DBOS
 
-def ensure_dbos(install: bool) -> str | None:
-    """Import dbos, installing the pinned release into this venv if needed.
-    Returns None when usable, else why not."""
+def ensure_package(module: str, requirement: str, install: bool) -> str | None:
+    """Import ``module``, pip-installing ``requirement`` into this venv if needed (a
+    benchmark peer, never a runstile dependency).  Returns None when usable, else why not."""
+    import importlib
     try:
-        import dbos  # noqa: F401
+        importlib.import_module(module)
         return None
     except ImportError:
         pass
     if not install:
-        return "dbos is not installed (BENCH_NO_INSTALL=1)"
-    print(f"      installing dbos=={DBOS_VERSION} into {sys.prefix} (benchmark only) ...",
-          flush=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                           f"dbos=={DBOS_VERSION}"], capture_output=True, text=True,
-                          timeout=600)
+        return f"{module} is not installed (BENCH_NO_INSTALL=1)"
+    print(f"      installing {requirement} into {sys.prefix} (benchmark only) ...", flush=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement],
+                          capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        return f"pip install dbos=={DBOS_VERSION} failed: {done.stderr.strip()[-300:]}"
-    import importlib
+        return f"pip install {requirement} failed: {done.stderr.strip()[-300:]}"
     importlib.invalidate_caches()
     try:
-        import dbos  # noqa: F401,F811
+        importlib.import_module(module)
     except ImportError as exc:
-        return f"dbos installed but not importable: {exc}"
+        return f"{requirement} installed but not importable: {exc}"
     return None
+
+
+def ensure_dbos(install: bool) -> str | None:
+    """Import dbos, installing the pinned release into this venv if needed."""
+    return ensure_package("dbos", f"dbos=={DBOS_VERSION}", install)
 
 
 def _dbos_factory(url: str, wal: bool) -> Factory:
@@ -597,6 +674,9 @@ def bench_dbos(cfg: ExecSettings, wal: bool) -> TargetResult:
         "workers": f"{WORKER_PROCESSES} processes, queue worker_concurrency="
                    f"{cfg.dbos_concurrency}",
         "queue_polling_interval_s": cfg.dbos_poll_s,
+        "command": f"{WORKER_PROCESSES} x python -m bench.peers.dbos_peer sqlite:///… "
+                   f"EXECUTOR (register_queue worker_concurrency={cfg.dbos_concurrency}, "
+                   f"polling_interval_sec={cfg.dbos_poll_s:g})",
         "enqueue": "DBOSClient.enqueue with a unique workflow_id"})
     from .peers import dbos_peer
     with temp_dir(f"bench-exec-{name}-", cfg.keep) as work:
@@ -661,56 +741,197 @@ def _dramatiq_factory() -> Factory:
     return per_process
 
 
-def bench_dramatiq(cfg: ExecSettings) -> TargetResult:
+def _start_redis(group: Group, work: Path):
+    """A private ``redis-server`` without persistence on a free port; (url, client)."""
     import redis
-    res = TargetResult("dramatiq-redis", runs=cfg.runs, config={
-        "dramatiq": _dist_version("dramatiq"),
-        "workers": f"dramatiq CLI --processes {WORKER_PROCESSES} --threads {WORKER_THREADS}",
-        "broker": "RedisBroker, private redis-server --save '' --appendonly no",
-        "durability": "none comparable (no persistence, no run record)"})
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         raise NotMeasured("redis-server is not installed")
+    port = free_port()
+    url = f"redis://{HOST}:{port}/0"
+    group.start([redis_server, "--port", str(port), "--bind", HOST, "--save", "",
+                 "--appendonly", "no", "--dir", str(work)], clean_env())
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 20
+    while True:
+        group.check_alive()
+        try:
+            client.ping()
+            group.version = client.info().get("redis_version")
+            return url, client
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server not up; log:\n{group.log_tail()}")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Set variables in this process for the forked client processes to read."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bench_dramatiq(cfg: ExecSettings) -> TargetResult:
+    res = TargetResult("dramatiq-redis", runs=cfg.runs, config={
+        "dramatiq": _dist_version("dramatiq"),
+        "workers": f"dramatiq CLI --processes {WORKER_PROCESSES} --threads {WORKER_THREADS}",
+        "command": f"dramatiq bench.peers.dramatiq_peer --processes {WORKER_PROCESSES} "
+                   f"--threads {WORKER_THREADS} (redis-server --save '' --appendonly no)",
+        "broker": "RedisBroker, private redis-server --save '' --appendonly no",
+        "durability": "none comparable (no persistence, no run record)"})
     with temp_dir("bench-exec-dramatiq-", cfg.keep) as work:
-        port = free_port()
-        url = f"redis://{HOST}:{port}/0"
         rgroup = Group("redis-server", work / "redis.log")
         wgroup = Group("dramatiq", work / "workers.log")
-        old_url = os.environ.get("BENCH_REDIS_URL")
-        os.environ["BENCH_REDIS_URL"] = url       # read by the forked client processes
         try:
-            rgroup.start([redis_server, "--port", str(port), "--bind", HOST, "--save", "",
-                          "--appendonly", "no", "--dir", str(work)], clean_env())
-            client = redis.Redis.from_url(url)
-            deadline = time.monotonic() + 20
-            while True:
-                rgroup.check_alive()
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server not up; log:\n{rgroup.log_tail()}")
-                    time.sleep(0.05)
-            from .peers.dramatiq_peer import DONE_KEY
-            wgroup.start([str(BIN / "dramatiq"), "bench.peers.dramatiq_peer", "--processes",
-                          str(WORKER_PROCESSES), "--threads", str(WORKER_THREADS)],
-                         clean_env(BENCH_REDIS_URL=url))
-            wgroup.wait_log("is ready for action", WORKER_PROCESSES)
-            factory = _dramatiq_factory()
-            res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
-            before = int(client.get(DONE_KEY) or 0)
-            tp = closed_loop(factory, cfg.runs, cfg, tag=f"tp-{os.getpid()}-{time.time_ns()}",
-                             count_done=lambda: int(client.get(DONE_KEY) or 0) - before,
-                             groups=[wgroup, rgroup])
+            url, client = _start_redis(rgroup, work)
+            res.config["redis_server"] = rgroup.version
+            with _environ(BENCH_REDIS_URL=url):     # read by the forked client processes
+                from .peers.dramatiq_peer import DONE_KEY
+                wgroup.start([str(BIN / "dramatiq"), "bench.peers.dramatiq_peer",
+                              "--processes", str(WORKER_PROCESSES), "--threads",
+                              str(WORKER_THREADS)], clean_env(BENCH_REDIS_URL=url))
+                wgroup.wait_log("is ready for action", WORKER_PROCESSES)
+                factory = _dramatiq_factory()
+                res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
+                before = int(client.get(DONE_KEY) or 0)
+                tp = closed_loop(factory, cfg.runs, cfg,
+                                 tag=f"tp-{os.getpid()}-{time.time_ns()}",
+                                 count_done=lambda: int(client.get(DONE_KEY) or 0) - before,
+                                 groups=[wgroup, rgroup])
             client.close()
         finally:
-            if old_url is None:
-                os.environ.pop("BENCH_REDIS_URL", None)
-            else:
-                os.environ["BENCH_REDIS_URL"] = old_url
             wgroup.stop()
             rgroup.stop()
+        _fill(res, tp)
+        return res
+
+
+def _rabbitmq_factory() -> Factory:
+    def per_process():
+        from .peers import dramatiq_rabbitmq_peer as peer
+
+        def per_thread():
+            def submit(key: str, mark: str | None) -> None:
+                peer.bench_noop.send(mark, key)
+            return submit
+        return per_thread
+    return per_process
+
+
+def bench_dramatiq_rabbitmq(cfg: ExecSettings) -> TargetResult:
+    """Bare Dramatiq on the machine's RabbitMQ, on a queue of its own (deleted after)."""
+    queue = f"runstile-bench-{os.getpid()}-{time.time_ns()}"
+    res = TargetResult("dramatiq-rabbitmq", runs=cfg.runs, config={
+        "dramatiq": _dist_version("dramatiq"), "pika": _dist_version("pika"),
+        "workers": f"dramatiq CLI --processes {WORKER_PROCESSES} --threads {WORKER_THREADS}",
+        "command": f"dramatiq bench.peers.dramatiq_rabbitmq_peer --processes "
+                   f"{WORKER_PROCESSES} --threads {WORKER_THREADS} (queue runstile-bench-…)",
+        "broker": f"RabbitmqBroker, the machine's RabbitMQ, queue {queue} (deleted after)",
+        "durability": "durable queue, persistent messages, no publisher confirms; "
+                      "no run record"})
+    try:
+        import pika
+        probe = pika.BlockingConnection(pika.URLParameters(cfg.amqp_url))
+        with contextlib.suppress(Exception):
+            version = probe._impl.server_properties.get("version")
+            res.config["rabbitmq_server"] = (version.decode() if isinstance(version, bytes)
+                                             else version)
+        probe.close()
+    except Exception as exc:
+        raise NotMeasured(f"RabbitMQ at {cfg.amqp_url} not reachable: "
+                          f"{type(exc).__name__}: {exc}") from None
+    from .peers.counter import count
+    with temp_dir("bench-exec-rabbitmq-", cfg.keep) as work:
+        done_file = str(work / "done.count")
+        env = {"BENCH_AMQP_URL": cfg.amqp_url, "BENCH_RABBIT_QUEUE": queue,
+               "BENCH_DONE_FILE": done_file}
+        wgroup = Group("dramatiq-rabbitmq", work / "workers.log")
+        try:
+            with _environ(**env):
+                wgroup.start([str(BIN / "dramatiq"), "bench.peers.dramatiq_rabbitmq_peer",
+                              "--processes", str(WORKER_PROCESSES), "--threads",
+                              str(WORKER_THREADS)], clean_env(**env))
+                wgroup.wait_log("is ready for action", WORKER_PROCESSES)
+                factory = _rabbitmq_factory()
+                res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
+                before = count(done_file)
+                tp = closed_loop(factory, cfg.runs, cfg,
+                                 tag=f"tp-{os.getpid()}-{time.time_ns()}",
+                                 count_done=lambda: count(done_file) - before,
+                                 groups=[wgroup])
+        finally:
+            wgroup.stop()
+            with contextlib.suppress(Exception):
+                from .peers.dramatiq_rabbitmq_peer import delete_queues
+                delete_queues(cfg.amqp_url, queue)
+        _fill(res, tp)
+        return res
+
+
+# --------------------------------------------------------------------------- huey
+
+def _huey_factory() -> Factory:
+    def per_process():
+        from .peers import huey_peer
+
+        def per_thread():
+            def submit(key: str, mark: str | None) -> None:
+                huey_peer.bench_noop(mark, key)
+            return submit
+        return per_thread
+    return per_process
+
+
+def bench_huey(cfg: ExecSettings) -> TargetResult:
+    """huey's SqliteHuey as shipped: two consumers of 4 worker threads on one file."""
+    res = TargetResult("huey-sqlite", runs=cfg.runs, config={
+        "huey": _dist_version("huey"),
+        "workers": f"{WORKER_PROCESSES} x huey_consumer -w {WORKER_THREADS} -k thread "
+                   f"-d {cfg.huey_delay_s:g} -m {cfg.huey_max_delay_s:g}",
+        "command": f"{WORKER_PROCESSES} x huey_consumer bench.peers.huey_peer.huey -w "
+                   f"{WORKER_THREADS} -k thread -d {cfg.huey_delay_s:g} -m "
+                   f"{cfg.huey_max_delay_s:g} (one SQLite file)",
+        "storage": "SqliteHuey defaults (WAL, synchronous FULL, busy timeout 5 s)",
+        "enqueue": "calling the task from the client process"})
+    from .peers.counter import count
+    with temp_dir("bench-exec-huey-", cfg.keep) as work:
+        db_file = work / "huey.sqlite"
+        done_file = str(work / "done.count")
+        env = {"BENCH_HUEY_DB": str(db_file), "BENCH_DONE_FILE": done_file}
+        group = Group("huey", work / "consumers.log")
+        try:
+            with _environ(**env):
+                # Create the tables once, before two consumers race to.
+                subprocess.run([sys.executable, "-c", "from bench.peers import huey_peer; "
+                                "huey_peer.huey.storage.queue_size()"],
+                               env=clean_env(**env), cwd=REPO, check=True, timeout=60)
+                for _ in range(WORKER_PROCESSES):
+                    group.start([str(BIN / "huey_consumer"), "bench.peers.huey_peer.huey",
+                                 "-w", str(WORKER_THREADS), "-k", "thread",
+                                 "-d", str(cfg.huey_delay_s), "-m", str(cfg.huey_max_delay_s)],
+                                clean_env(**env))
+                group.wait_log("huey worker ready", WORKER_PROCESSES * WORKER_THREADS)
+                with contextlib.closing(sqlite3.connect(f"file:{db_file}?mode=ro",
+                                                        uri=True)) as c:
+                    res.config["journal_mode"] = c.execute("PRAGMA journal_mode").fetchone()[0]
+                factory = _huey_factory()
+                res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
+                before = count(done_file)
+                tp = closed_loop(factory, cfg.runs, cfg,
+                                 tag=f"tp-{os.getpid()}-{time.time_ns()}",
+                                 count_done=lambda: count(done_file) - before,
+                                 groups=[group])
+        finally:
+            group.stop()
         _fill(res, tp)
         return res
 
@@ -728,11 +949,20 @@ def run_all(cfg: ExecSettings, log=print) -> list[TargetResult]:
         try:
             if name == "runstile":
                 res = bench_runstile(cfg)
+            elif name == "runstile-redis":
+                res = bench_runstile_redis(cfg)
             elif name in ("dbos", "dbos-wal"):
                 why = ensure_dbos(cfg.install)
                 if why:
                     raise NotMeasured(why)
                 res = bench_dbos(cfg, wal=name == "dbos-wal")
+            elif name == "huey-sqlite":
+                why = ensure_package("huey", f"huey=={HUEY_VERSION}", cfg.install)
+                if why:
+                    raise NotMeasured(why)
+                res = bench_huey(cfg)
+            elif name == "dramatiq-rabbitmq":
+                res = bench_dramatiq_rabbitmq(cfg)
             else:
                 res = bench_dramatiq(cfg)
         except NotMeasured as exc:

@@ -2,11 +2,13 @@
 
 Section 1, admission (issue 2), one after another: (a) runstile's POST /v1/runs,
 (b) a minimal durable Flask+SQLite baseline under the same gunicorn setup, (c) the raw
-SQLite durable-commit rate.  Floor: runstile >= 0.8 x baseline, and no failed request.
+SQLite durable-commit rate, (d) the Flask no-op ceiling (the same setup, no SQLite).
+Floor: runstile >= 0.8 x baseline, and no failed request.
 
 Section 2, execution (issue 3), one after another: ``runstile up`` end to end, DBOS on
-SQLite (as DBOS sets it up, and in WAL mode), bare Dramatiq on Redis.  Runs/s from the
-first submission until every run completed, and idle submit -> start latency.  Floor:
+SQLite (as DBOS sets it up, and in WAL mode), bare Dramatiq on Redis, runstile serve +
+worker on Redis, bare Dramatiq on RabbitMQ, huey on SQLite.  Runs/s from the first
+submission until every run completed, and idle submit -> start latency.  Floor:
 runstile >= 1.0 x DBOS on SQLite (the faster DBOS variant).
 
 Section 3, recovery (issue 5): ``runstile recover`` (a real subprocess) on a 100,000-run
@@ -16,8 +18,10 @@ Items/s = 1,000 / the recovery's own seconds.  Floor: runstile >= 10 x DBOS on S
 (the faster DBOS variant).
 
 Each section prints one table with ratios measured in this run and saves JSON under
-bench/results/.  The exit code is 1 if any floor that ran fails, cannot be measured, or
-a run is invalid.
+bench/results/.  Then one combined table (bench/summary.py) checks issue 7's targets
+(admission >= 1.0 x baseline, end to end >= 2 x DBOS, recovery >= 10 x DBOS) and, after
+a full run, is written to docs/performance.md with the chart docs/performance.png.  The
+exit code is 1 if any floor that ran fails, cannot be measured, or a run is invalid.
 
 Environment: BENCH_ONLY (admission | execution | recovery; all when unset), BENCH_SECONDS (10),
 BENCH_WARMUP (2), BENCH_CLIENT_PROCESSES (4), BENCH_CLIENT_THREADS (4), BENCH_E2E_RUNS
@@ -40,13 +44,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import admission, execution, recovery  # noqa: E402
+from bench import admission, execution, recovery, summary  # noqa: E402
 
 FLOOR = 0.8          # issue 2: runstile >= 0.8 x baseline (b)
 EXEC_FLOOR = 1.0     # issue 3: runstile end to end >= 1.0 x DBOS on SQLite
 START_AIM_MS = 20.0  # issue 3 aims at an idle submit -> start p50 <= 20 ms
 RECOVERY_FLOOR = 10.0  # issue 5: runstile recovery items/s >= 10 x DBOS on SQLite
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Each section's report from this run, for the combined table (bench/summary.py).
+REPORTS: dict[str, dict] = {}
 
 
 def _http_row(name: str, r: admission.HttpResult) -> dict:
@@ -99,15 +105,26 @@ def print_table(report: dict) -> None:
               f"{_fmt(row['client_cpu_ms_per_req'], '.3f'):>15}")
     print(f"{'(c) raw SQLite commits (rows/s)':<34} {raw['rows_per_s']:>9.1f} {'':>8} {'':>8} "
           f"{'':>7} {_fmt(raw['cpu_ms_per_row'], '.3f'):>15}")
+    nf = report.get("flask_noop")
+    if nf is not None:
+        print(f"{'(d) Flask no-op ceiling, no SQLite':<34} {nf['throughput_per_s']:>9.1f} "
+              f"{_fmt(nf['p50_ms'], '.2f'):>8} {_fmt(nf['p99_ms'], '.2f'):>8} "
+              f"{nf['errors']:>7} {_fmt(nf['server_cpu_ms_per_req'], '.3f'):>15} "
+              f"{_fmt(nf['client_cpu_ms_per_req'], '.3f'):>15}")
     print("-" * len(header))
     ratios = report["ratios"]
     print(f"runstile / baseline (throughput)   {_fmt(ratios['runstile_over_baseline'], '.3f')}")
     print(f"runstile / raw SQLite              {_fmt(ratios['runstile_over_raw'], '.3f')}")
     print(f"baseline / raw SQLite              {_fmt(ratios['baseline_over_raw'], '.3f')}")
     print(f"runstile / baseline (p50 latency)  {_fmt(ratios['p50_runstile_over_baseline'], '.3f')}")
-    for name, row in (("runstile", rs), ("baseline", bl)):
-        if row["errors"]:
+    if "runstile_over_flask_noop" in ratios:
+        print(f"runstile / Flask no-op ceiling     {_fmt(ratios['runstile_over_flask_noop'], '.3f')}")
+        print(f"baseline / Flask no-op ceiling     {_fmt(ratios['baseline_over_flask_noop'], '.3f')}")
+    for name, row in (("runstile", rs), ("baseline", bl), ("flask_noop", report.get("flask_noop"))):
+        if row and row["errors"]:
             print(f"ERRORS {name}: {row['error_kinds']}")
+        if name == "flask_noop":
+            continue
         check = "ok" if row["rows_match_202s"] else "MISMATCH"
         print(f"durability check {name}: {row['accepted_202']} x 202 answered, "
               f"{row['rows_in_db']} rows in its database -> {check}")
@@ -131,10 +148,14 @@ def admission_section() -> bool:
     print("  (c) raw SQLite ...", flush=True)
     raw = admission.bench_raw(cfg)
     print(f"      {raw['rows_per_s']:.1f} rows/s", flush=True)
+    print("  (d) Flask no-op ceiling ...", flush=True)
+    nf = admission.bench_flask_noop(cfg)
+    print(f"      {nf.load.throughput:.1f} req/s", flush=True)
 
     rs_row, bl_row = _http_row("runstile", rs), _http_row("baseline", bl)
+    nf_row = _http_row("flask_noop", nf)
     ratio = _ratio(rs.load.throughput, bl.load.throughput)
-    errors = rs_row["errors"] + bl_row["errors"]
+    errors = rs_row["errors"] + bl_row["errors"]     # (d) is a reference, not the floor's
     mismatched = [r["target"] for r in (rs_row, bl_row) if not r["rows_match_202s"]]
     passed = ratio is not None and ratio >= FLOOR
     verdict = "PASS" if passed else "FAIL"
@@ -170,13 +191,17 @@ def admission_section() -> bool:
             "runstile_over_raw": _ratio(rs.load.throughput, raw["rows_per_s"]),
             "baseline_over_raw": _ratio(bl.load.throughput, raw["rows_per_s"]),
             "p50_runstile_over_baseline": _ratio(rs_row["p50_ms"] or 0, bl_row["p50_ms"] or 0),
+            "runstile_over_flask_noop": _ratio(rs.load.throughput, nf.load.throughput),
+            "baseline_over_flask_noop": _ratio(bl.load.throughput, nf.load.throughput),
         },
+        "flask_noop": nf_row,
         "floor": {"rule": f"runstile >= {FLOOR} x baseline", "passed": passed and valid,
                   "verdict": verdict},
         "saved_to": str(out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out),
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
+    REPORTS["admission"] = report
     print_table(report)
     return passed and valid
 
@@ -189,6 +214,8 @@ def main() -> int:
         print("BENCH_ONLY must be 'admission', 'execution' or 'recovery'", file=sys.stderr)
         return 2
     verdicts = {}
+    started = summary.now()
+    t_start = time.monotonic()
     if only in ("", "admission"):
         print("== admission benchmark (issue 2) ==", flush=True)
         verdicts["admission (issue 2)"] = admission_section()
@@ -198,6 +225,17 @@ def main() -> int:
     if only in ("", "recovery"):
         print("\n== recovery benchmark (issue 5) ==", flush=True)
         verdicts["recovery (issue 5)"] = recovery_section()
+    try:
+        combined = summary.build(REPORTS)
+        summary.print_table(combined)
+        if summary.docs_wanted(only):
+            for path in summary.write_docs(combined, REPORTS, started,
+                                           time.monotonic() - t_start):
+                print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+    except Exception:   # the sections' own tables and JSON are already out
+        import traceback
+        traceback.print_exc()
+        verdicts["combined table (issue 7)"] = False
     print()
     for name, ok in verdicts.items():
         print(f"bench: {name}: {'PASS' if ok else 'NOT PASSED'}")
@@ -211,7 +249,13 @@ EXEC_LABELS = {
     "dbos": "(b) DBOS, SQLite as DBOS sets it",
     "dbos-wal": "(c) DBOS, SQLite WAL sync=FULL",
     "dramatiq-redis": "(d) Dramatiq + Redis (not durable)",
+    "runstile-redis": "(e) runstile serve+worker, Redis",
+    "dramatiq-rabbitmq": "(f) Dramatiq + RabbitMQ (no record)",
+    "huey-sqlite": "(g) huey, SqliteHuey as shipped",
 }
+#: Runs/s ratio keys: runstile (embedded) over each other target.
+EXEC_RATIO_KEYS = {name: "runstile_over_" + name.replace("-", "_")
+                   for name in EXEC_LABELS if name != "runstile"}
 
 
 def _exec_row(r: execution.TargetResult) -> dict:
@@ -252,9 +296,10 @@ def print_exec_table(report: dict) -> None:
           f"over {cfg['latency_runs']} sequential runs {cfg['latency_gap_ms']:g} ms apart; "
           f"{cfg['cpus']} CPUs")
     header = (f"{'target':<38} {'runs/s':>8} {'submit/s':>9} {'start p50 ms':>13} "
-              f"{'start p95 ms':>13} {'srv CPU ms/run':>15}")
+              f"{'start p95 ms':>13} {'srv CPU ms/run':>15} {'runstile/this':>14}")
     print(header)
     print("-" * len(header))
+    ratios = report["ratios"]
     for name, label in EXEC_LABELS.items():
         row = rows.get(name)
         if row is None:
@@ -262,11 +307,12 @@ def print_exec_table(report: dict) -> None:
         elif not row["measured"]:
             print(f"{label:<38} NOT MEASURED: {row['problem']}")
         else:
+            vs = "-" if name == "runstile" else _fmt(ratios.get(EXEC_RATIO_KEYS[name]), '.3f')
             print(f"{label:<38} {_fmt(row['runs_per_s']):>8} {_fmt(row['submit_per_s']):>9} "
                   f"{_fmt(row['start_p50_ms'], '.1f'):>13} {_fmt(row['start_p95_ms'], '.1f'):>13} "
-                  f"{_fmt(row['server_cpu_ms_per_run'], '.2f'):>15}")
+                  f"{_fmt(row['server_cpu_ms_per_run'], '.2f'):>15} {vs:>14}")
     print("-" * len(header))
-    ratios = report["ratios"]
+    print("runstile/this: runstile (a) runs/s / this target's runs/s, both from this run")
     for key, label in (("runstile_over_dbos", "runstile / DBOS (runs/s)"),
                        ("runstile_over_dbos_wal", "runstile / DBOS WAL (runs/s)"),
                        ("runstile_over_dramatiq_redis", "runstile / Dramatiq-redis (runs/s)"),
@@ -351,13 +397,13 @@ def execution_section() -> bool:
                    "workers": f"{execution.WORKER_PROCESSES} processes x "
                               f"{execution.WORKER_THREADS} threads",
                    "dbos_polling_interval_s": cfg.dbos_poll_s,
+                   "huey_polling": {"delay_s": cfg.huey_delay_s,
+                                    "max_delay_s": cfg.huey_max_delay_s},
                    "cpus": os.cpu_count(), "python": platform.python_version(),
                    "sqlite": sqlite3.sqlite_version, "platform": platform.platform()},
         "targets": rows,
         "ratios": {
-            "runstile_over_dbos": ratio(rs_rate, rate("dbos")),
-            "runstile_over_dbos_wal": ratio(rs_rate, rate("dbos-wal")),
-            "runstile_over_dramatiq_redis": ratio(rs_rate, rate("dramatiq-redis")),
+            **{key: ratio(rs_rate, rate(name)) for name, key in EXEC_RATIO_KEYS.items()},
             "start_p50_runstile_over_dbos": ratio(rs_p50, p50("dbos")),
             "start_p50_runstile_over_dramatiq_redis": ratio(rs_p50, p50("dramatiq-redis")),
         },
@@ -368,6 +414,7 @@ def execution_section() -> bool:
     text = json.dumps(report, indent=2) + "\n"
     out.write_text(text)
     (RESULTS / "latest-execution.json").write_text(text)
+    REPORTS["execution"] = report
     print_exec_table(report)
     return passed
 
@@ -545,6 +592,7 @@ def recovery_section() -> bool:
     text = json.dumps(report, indent=2) + "\n"
     out.write_text(text)
     (RESULTS / "latest-recovery.json").write_text(text)
+    REPORTS["recovery"] = report
     print_recovery_table(report)
     return passed
 

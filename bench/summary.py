@@ -1,0 +1,502 @@
+"""The combined table of ``make bench`` (issue 7): every section's numbers from one run.
+
+:func:`build` turns the three sections' reports (bench/run.py keeps them in
+``run.REPORTS``) into one table of rates, start latencies and ratios, with the issue's
+three targets checked where they apply:
+
+* admission: runstile >= 1.0 x the bare Flask + one durable SQLite insert baseline;
+* end to end: runstile (embedded) runs/s >= 2 x DBOS on SQLite (the faster of DBOS as
+  shipped and DBOS in WAL mode);
+* recovery: runstile items/s >= 10 x DBOS on SQLite (the faster variant).
+
+A target whose numbers are missing or whose run is invalid is reported as such, never
+as met.  :func:`print_table` prints it; :func:`write_docs` writes docs/performance.md
+and the chart docs/performance.png (matplotlib, installed into the venv on demand like
+the peers: never a runstile dependency).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shlex
+import sqlite3
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+MATPLOTLIB = "matplotlib==3.11.2"
+
+ADMISSION_TARGET = 1.0     # runstile >= 1.0 x bare Flask + insert
+E2E_TARGET = 2.0           # runstile runs/s >= 2 x DBOS on SQLite
+RECOVERY_TARGET = 10.0     # runstile recovery items/s >= 10 x DBOS on SQLite
+
+EXEC_NAMES = {
+    "runstile": "runstile up (embedded SQLite broker)",
+    "runstile-redis": "runstile serve + worker, Redis broker",
+    "dbos": "DBOS on SQLite, as shipped (rollback journal)",
+    "dbos-wal": "DBOS on SQLite, WAL synchronous=FULL",
+    "huey-sqlite": "huey SqliteHuey, as shipped (WAL)",
+    "dramatiq-redis": "bare Dramatiq on Redis (not durable)",
+    "dramatiq-rabbitmq": "bare Dramatiq on RabbitMQ (no record)",
+}
+RECOVERY_NAMES = {
+    "runstile": "runstile recover",
+    "dbos": "DBOS recovery, SQLite as shipped",
+    "dbos-wal": "DBOS recovery, SQLite WAL synchronous=FULL",
+}
+
+
+def _r(x, nd=1):
+    return None if x is None else round(x, nd)
+
+
+def _verdict(ratio: float | None, goal: float, why_missing: str | None) -> tuple[str, bool]:
+    if why_missing:
+        return f"not measured ({why_missing})", False
+    if ratio is None:
+        return "not measured", False
+    if ratio >= goal:
+        return f"met ({ratio:.2f}x >= {goal:g}x)", True
+    return f"MISSED ({ratio:.2f}x < {goal:g}x)", False
+
+
+def _best(rows: dict, names: tuple[str, ...], key: str):
+    """(name, value) of the fastest valid, measured row among ``names``."""
+    ok = {n: rows[n][key] for n in names
+          if n in rows and rows[n].get("measured") and rows[n].get("valid")
+          and rows[n].get(key)}
+    if not ok:
+        return None, None
+    name = max(ok, key=ok.get)
+    return name, ok[name]
+
+
+def build(reports: dict[str, dict]) -> dict:
+    rows: list[dict] = []
+    targets: list[dict] = []
+
+    def row(section, label, rate=None, unit="", p50=None, p95=None, ratio=None,
+            target="", met="", note="", runstile=False):
+        rows.append({"section": section, "target": label, "rate": rate, "unit": unit,
+                     "start_p50_ms": p50, "start_p95_ms": p95, "runstile_over_this": ratio,
+                     "issue_target": target, "met": met, "note": note, "runstile": runstile})
+
+    # ---- admission
+    adm = reports.get("admission")
+    if adm is None:
+        targets.append({"name": "admission", "rule": f"runstile >= {ADMISSION_TARGET:g} x "
+                        "bare Flask + one durable SQLite insert",
+                        "verdict": "not measured (section not run)", "met": False})
+    else:
+        rs, bl, raw, nf = (adm["runstile"], adm["baseline"], adm["raw_sqlite"],
+                           adm.get("flask_noop"))
+        ratios = adm["ratios"]
+        invalid = "INVALID" in adm["floor"]["verdict"]
+        verdict, met = _verdict(ratios["runstile_over_baseline"], ADMISSION_TARGET,
+                                "run invalid: " + adm["floor"]["verdict"] if invalid else None)
+        sec = "HTTP admission (POST, 16 clients)"
+        row(sec, "runstile POST /v1/runs", rs["throughput_per_s"], "req/s",
+            note=f"p50 {rs['p50_ms']} ms, p99 {rs['p99_ms']} ms", runstile=True)
+        row(sec, "bare Flask + one durable SQLite insert", bl["throughput_per_s"], "req/s",
+            ratio=ratios["runstile_over_baseline"],
+            target=f"runstile >= {ADMISSION_TARGET:g}x", met=verdict,
+            note=f"p50 {bl['p50_ms']} ms, p99 {bl['p99_ms']} ms")
+        if nf is not None:
+            row(sec, "Flask no-op ceiling (no SQLite)", nf["throughput_per_s"], "req/s",
+                ratio=ratios.get("runstile_over_flask_noop"),
+                note=f"p50 {nf['p50_ms']} ms, p99 {nf['p99_ms']} ms; upper bound")
+        row("physical reference", "raw SQLite durable commits (1 process)",
+            raw["rows_per_s"], "rows/s", ratio=ratios["runstile_over_raw"],
+            note="WAL, synchronous=FULL, one row per transaction")
+        targets.append({"name": "admission", "rule": f"runstile >= {ADMISSION_TARGET:g} x "
+                        "bare Flask + one durable SQLite insert", "verdict": verdict,
+                        "met": met, "ratio": ratios["runstile_over_baseline"]})
+
+    # ---- execution
+    ex = reports.get("execution")
+    if ex is None:
+        targets.append({"name": "end to end", "rule": f"runstile runs/s >= {E2E_TARGET:g} x "
+                        "DBOS on SQLite (the faster DBOS variant)",
+                        "verdict": "not measured (section not run)",
+                        "met": False})
+    else:
+        erows = {r["target"]: r for r in ex["targets"]}
+        rs = erows.get("runstile")
+        rs_rate = rs["runs_per_s"] if rs and rs["measured"] and rs["valid"] else None
+        best_name, best = _best(erows, ("dbos", "dbos-wal"), "runs_per_s")
+        why = None
+        if rs is None or not rs["measured"]:
+            why = "runstile: " + ((rs or {}).get("problem") or "not run")
+        elif not rs["valid"]:
+            why = f"runstile run invalid: {rs['problem']}"
+        elif best is None:
+            why = "no valid DBOS measurement"
+        ratio = round(rs_rate / best, 3) if rs_rate and best else None
+        verdict, met = _verdict(ratio, E2E_TARGET, why)
+        sec = "end to end (no-op runs, 2 x 4 workers)"
+        for name, label in EXEC_NAMES.items():
+            r = erows.get(name)
+            if r is None:
+                continue
+            if not r["measured"]:
+                row(sec, label, note=f"NOT MEASURED: {r['problem']}")
+                continue
+            is_best = name == best_name
+            other_dbos = name in ("dbos", "dbos-wal") and not is_best
+            row(sec, label, r["runs_per_s"], "runs/s", r["start_p50_ms"], r["start_p95_ms"],
+                ratio=None if name == "runstile" else
+                (round(rs_rate / r["runs_per_s"], 3) if rs_rate and r["runs_per_s"] else None),
+                target=(f"runstile >= {E2E_TARGET:g}x" if is_best else
+                        "(the faster DBOS decides)" if other_dbos else ""),
+                met=verdict if is_best else "",
+                note="" if r["valid"] else f"INVALID: {r['problem']}",
+                runstile=name.startswith("runstile"))
+        targets.append({"name": "end to end", "rule": f"runstile runs/s >= {E2E_TARGET:g} x "
+                        "DBOS on SQLite (the faster DBOS variant)", "verdict": verdict,
+                        "met": met, "ratio": ratio, "against": best_name})
+
+    # ---- recovery
+    rec = reports.get("recovery")
+    if rec is None:
+        targets.append({"name": "recovery", "rule": f"runstile items/s >= "
+                        f"{RECOVERY_TARGET:g} x DBOS on SQLite (the faster DBOS variant)",
+                        "verdict": "not measured (section not run)", "met": False})
+    else:
+        rrows = {r["target"]: r for r in rec["targets"]}
+        rs = rrows.get("runstile")
+        rs_rate = rs["items_per_s"] if rs and rs["measured"] and rs["valid"] else None
+        best_name, best = _best(rrows, ("dbos", "dbos-wal"), "items_per_s")
+        why = None
+        if rs is None or not rs["measured"]:
+            why = "runstile: " + ((rs or {}).get("problem") or "not run")
+        elif not rs["valid"]:
+            why = f"runstile run invalid: {rs['problem']}"
+        elif best is None:
+            why = "no valid DBOS measurement"
+        ratio = round(rs_rate / best, 3) if rs_rate and best else None
+        verdict, met = _verdict(ratio, RECOVERY_TARGET, why)
+        cfg = rec["config"]
+        sec = f"recovery ({cfg['orphans']} of {cfg['runs']} items pending)"
+        for name, label in RECOVERY_NAMES.items():
+            r = rrows.get(name)
+            if r is None:
+                continue
+            if not r["measured"]:
+                row(sec, label, note=f"NOT MEASURED: {r['problem']}")
+                continue
+            is_best = name == best_name
+            row(sec, label, r["items_per_s"], "items/s",
+                ratio=None if name == "runstile" else
+                (round(rs_rate / r["items_per_s"], 3) if rs_rate and r["items_per_s"] else None),
+                target=(f"runstile >= {RECOVERY_TARGET:g}x" if is_best else
+                        "(the faster DBOS decides)" if name != "runstile" else ""),
+                met=verdict if is_best else "",
+                note=(f"recovered in {r['recovery_s']:.3f} s" if r["valid"]
+                      else f"INVALID: {r['problem']}"),
+                runstile=name == "runstile")
+        targets.append({"name": "recovery", "rule": f"runstile items/s >= "
+                        f"{RECOVERY_TARGET:g} x DBOS on SQLite (the faster DBOS variant)",
+                        "verdict": verdict, "met": met, "ratio": ratio,
+                        "against": best_name})
+    return {"rows": rows, "targets": targets}
+
+
+# --------------------------------------------------------------------------- output
+
+def _f(x, spec=",.1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _rate(x):
+    if x is None:
+        return "-"
+    return format(x, ",.0f") if x >= 100 else format(x, ",.1f")
+
+
+COLUMNS = ("section", "target", "rate", "start p50 ms", "start p95 ms", "runstile ÷ this",
+           "issue target", "met?")
+
+
+def _cells(r: dict) -> list[str]:
+    return [r["section"], r["target"] + (f" ({r['note']})" if r["note"] else ""),
+            f"{_rate(r['rate'])} {r['unit']}".strip() if r["rate"] is not None else "-",
+            _f(r["start_p50_ms"]), _f(r["start_p95_ms"]),
+            "-" if r["runstile_over_this"] is None else f"{r['runstile_over_this']:.2f}x",
+            r["issue_target"] or "", r["met"] or ""]
+
+
+def print_table(summary: dict) -> None:
+    head = ["target", "rate", "p50 ms", "p95 ms", "runstile/this", "issue target / met?"]
+    print()
+    print("combined table (issue 7): every number measured in this run")
+    print(f"{head[0]:<48} {head[1]:>15} {head[2]:>7} {head[3]:>7} {head[4]:>13}  {head[5]}")
+    print("-" * 120)
+    section = None
+    for r in summary["rows"]:
+        if r["section"] != section:
+            section = r["section"]
+            print(f"[{section}]")
+        rate = f"{_rate(r['rate'])} {r['unit']}" if r["rate"] is not None else "-"
+        ratio = "-" if r["runstile_over_this"] is None else f"{r['runstile_over_this']:.2f}x"
+        goal = f"{r['issue_target']}: {r['met']}" if r["met"] else r["issue_target"]
+        print(f"  {r['target'][:46]:<46} {rate:>15} {_f(r['start_p50_ms']):>7} "
+              f"{_f(r['start_p95_ms']):>7} {ratio:>13}  {goal}")
+        if r["note"]:
+            print(f"  {'':<46} {r['note']}")
+    print("-" * 120)
+    for t in summary["targets"]:
+        print(f"issue target, {t['name']}: {t['rule']}: {t['verdict']}")
+
+
+def markdown_table(summary: dict) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |",
+             "|" + "|".join(["---", "---", "---:", "---:", "---:", "---:", "---", "---"]) + "|"]
+    section = None
+    for r in summary["rows"]:
+        cells = _cells(r)
+        if r["runstile"]:
+            cells[1] = f"**{cells[1]}**"
+            cells[2] = f"**{cells[2]}**"
+        if r["met"].startswith("MISSED"):
+            cells[7] = f"**{cells[7]}**"
+        if r["section"] == section:
+            cells[0] = ""
+        section = r["section"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    cpu = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem,
+            "machine": platform.machine(), "kernel": platform.release(),
+            "python": platform.python_version(), "sqlite": sqlite3.sqlite_version}
+
+
+def _versions(reports: dict) -> dict:
+    from importlib import metadata
+    out = {}
+    for dist in ("dbos", "huey", "dramatiq", "pika", "redis", "flask", "gunicorn"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    for r in (reports.get("execution") or {}).get("targets", []):
+        for key in ("redis_server", "rabbitmq_server"):
+            if r.get("config", {}).get(key):
+                out[key.replace("_", "-")] = r["config"][key]
+    return out
+
+
+def _command() -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                   if k.startswith("BENCH_") and k != "BENCH_DOCS")
+    return (env + " " if env else "") + "make bench"
+
+
+def ensure_matplotlib() -> str | None:
+    from .execution import ensure_package
+    return ensure_package("matplotlib", MATPLOTLIB,
+                          install=os.environ.get("BENCH_NO_INSTALL") != "1")
+
+
+def write_chart(summary: dict, path: Path, title: str) -> str | None:
+    """The PNG: one panel per measure.  Returns None, or why no chart was drawn."""
+    why = ensure_matplotlib()
+    if why:
+        return why
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    panels = [
+        ("HTTP admission: requests/s (higher is better)",
+         [r for r in rows if r["unit"] in ("req/s", "rows/s")], "rate", False),
+        ("end to end: no-op runs/s (higher is better)",
+         [r for r in rows if r["unit"] == "runs/s"], "rate", False),
+        ("idle submit -> start latency p50 / p95, ms (lower is better)",
+         [r for r in rows if r["unit"] == "runs/s"], "latency", False),
+        ("recovery: items/s, log scale (higher is better)",
+         [r for r in rows if r["unit"] == "items/s"], "rate", True),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
+    for ax, (name, prows, kind, log) in zip(axes.flat, panels):
+        ax.set_title(name, fontsize=10)
+        if not prows:
+            ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center")
+            ax.set_axis_off()
+            continue
+        labels = [r["target"] for r in prows][::-1]
+        ys = range(len(prows))
+        colors = ["#1f6fb4" if r["runstile"] else "#9a9a9a" for r in prows][::-1]
+        if kind == "latency":
+            p50 = [r["start_p50_ms"] or 0 for r in prows][::-1]
+            p95 = [r["start_p95_ms"] or 0 for r in prows][::-1]
+            ax.barh([y + 0.2 for y in ys], p50, height=0.4, color=colors, label="p50")
+            ax.barh([y - 0.2 for y in ys], p95, height=0.4, color=colors, alpha=0.45,
+                    label="p95")
+            for y, a, b in zip(ys, p50, p95):
+                ax.text(a, y + 0.2, f" {a:.1f}", va="center", fontsize=8)
+                ax.text(b, y - 0.2, f" {b:.1f}", va="center", fontsize=8)
+            ax.legend(fontsize=8, loc="lower right")
+            ax.set_xlim(0, max(p95 + p50 + [1]) * 1.2)
+        else:
+            vals = [r["rate"] or 0 for r in prows][::-1]
+            ax.barh(list(ys), vals, color=colors)
+            for y, v, r in zip(ys, vals, prows[::-1]):
+                extra = "" if r["runstile_over_this"] is None else \
+                    f"   (runstile ÷ this {r['runstile_over_this']:.2f}x)"
+                ax.text(v, y, f" {v:,.0f}{extra}", va="center", fontsize=8)
+            if log:
+                ax.set_xscale("log")
+                ax.set_xlim(max(1, min(v for v in vals if v > 0) / 3),
+                            max(vals) * 12)
+            else:
+                ax.set_xlim(0, max(vals) * 1.6)
+            for r in prows:
+                if r["issue_target"].startswith("runstile >=") and r["rate"]:
+                    goal = float(r["issue_target"].split(">=")[1].strip().rstrip("x"))
+                    ax.axvline(r["rate"] * goal, color="#c0392b", linestyle="--",
+                               linewidth=1)
+                    ax.text(r["rate"] * goal, 0.01,
+                            f" issue target: runstile >= {goal:g}x "
+                            + ("Flask + insert" if r["unit"] == "req/s" else "the faster DBOS"),
+                            color="#c0392b", fontsize=7.5, va="bottom",
+                            transform=ax.get_xaxis_transform(),
+                            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none",
+                                  "pad": 1})
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+HOW_TO_READ = """\
+* **Only ratios measured in the same run mean anything.** Clients, servers, workers,
+  brokers and the disk all share the same {cpus} CPUs, so every absolute number here is
+  this machine's, on this day; the ratios are what carries over. Run-to-run noise on
+  this box is 20–30% for end-to-end runs/s, less for admission and recovery, and more
+  when anything else is busy.
+* **runstile ÷ this** is runstile's rate divided by the row's rate: above 1, runstile
+  is faster; below 1, slower. End-to-end ratios use `runstile up` (embedded broker); the
+  Redis row is the same ledger with Redis as transport.
+* **Durability differs between rows, on purpose.** runstile and DBOS commit every run
+  and its outcome to SQLite with `synchronous=FULL` (fsync) and keep the record.
+  huey's SqliteHuey commits the queued task the same way, but deletes it when a worker
+  takes it and keeps no record of a run that returned None: no idempotency key, lease,
+  outcome or recovery of a task whose worker died. Bare Dramatiq keeps no run record at
+  all: on Redis (no persistence) it is not durable; on RabbitMQ the message is
+  persistent. Those rows show what the ledger costs, not peers to beat, and carry no
+  target.
+* **The Flask no-op ceiling** answers 202 without touching SQLite under the same
+  gunicorn setup: no durable endpoint on this stack can go faster. **Raw SQLite** is
+  one process committing one row per transaction: the disk's durable-commit rate.
+* **Start latency** is idle: runs submitted one at a time, 100 ms apart, from the
+  client's submit call to the task body's first line (both `time.time()`).
+* **Targets.** "met" or "MISSED" is decided on the numbers above, nothing else; a target
+  whose numbers are missing or invalid says "not measured", never "met".
+"""
+
+
+def write_docs(summary: dict, reports: dict, started: datetime, seconds: float) -> list[Path]:
+    DOCS.mkdir(exist_ok=True)
+    m = machine()
+    md_path, png_path = DOCS / "performance.md", DOCS / "performance.png"
+    title = (f"runstile make bench, {started:%Y-%m-%d %H:%M} UTC, {m['cpus']} CPUs "
+             f"{m['machine']}, Python {m['python']}, SQLite {m['sqlite']}")
+    chart_problem = write_chart(summary, png_path, title)
+    versions = _versions(reports)
+    ex = (reports.get("execution") or {}).get("config", {})
+    adm = (reports.get("admission") or {}).get("config", {})
+    rec = (reports.get("recovery") or {}).get("config", {})
+    lines = [
+        "# Performance",
+        "",
+        f"Written by `make bench` (`bench/run.py`) on **{started:%Y-%m-%d} at "
+        f"{started:%H:%M} UTC**, from that one run ({seconds / 60:.0f} minutes). Do not edit "
+        "the numbers by hand: run the command again. How each section measures is in "
+        "[bench/README.md](../bench/README.md).",
+        "",
+        "## Issue targets",
+        "",
+    ]
+    for t in summary["targets"]:
+        lines.append(f"* **{t['name']}**: {t['rule']}: **{t['verdict']}**")
+    lines += ["", "## The table", "", markdown_table(summary), ""]
+    if chart_problem:
+        lines += [f"(No chart: {chart_problem}.)", ""]
+    else:
+        lines += ["![make bench: admission, end-to-end runs/s, start latency, recovery]"
+                  "(performance.png)", ""]
+    lines += [
+        "## Machine",
+        "",
+        f"* {m['cpus']} CPUs ({m['cpu_model'] or 'model unknown'}), `uname -m` "
+        f"{m['machine']}, Linux {m['kernel']}, {m['memory'] or '? GiB'} memory; "
+        "shared with other work, and clients, servers and workers on the same CPUs",
+        f"* Python {m['python']}, SQLite {m['sqlite']}",
+        "* peers: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "",
+        "## Commands",
+        "",
+        "```sh",
+        _command() + "          # = .venv/bin/python bench/run.py",
+        "```",
+        "",
+    ]
+    if adm:
+        lines.append(f"* admission: {adm.get('clients')} closed-loop keep-alive clients "
+                     f"({adm.get('client_processes')} processes x {adm.get('client_threads')} "
+                     f"threads), {adm.get('warmup_s'):g} s warm-up then "
+                     f"{adm.get('duration_s'):g} s per target; servers "
+                     f"{adm.get('server')}.")
+    if ex:
+        lines.append(f"* end to end: {ex.get('runs')} no-op runs per target from "
+                     f"{ex.get('clients')} closed-loop clients; workers {ex.get('workers')} "
+                     f"in every system; start latency over {ex.get('latency_runs')} "
+                     f"sequential runs; DBOS queue polling {ex.get('dbos_polling_interval_s')} "
+                     f"s; huey consumer polling "
+                     f"{(ex.get('huey_polling') or {}).get('delay_s')}–"
+                     f"{(ex.get('huey_polling') or {}).get('max_delay_s')} s (its defaults).")
+        for r in reports["execution"]["targets"]:
+            cmd = r.get("config", {}).get("command")
+            if cmd:
+                lines.append(f"  * {r['target']}: `{cmd}`")
+    if rec:
+        lines.append(f"* recovery: {rec.get('orphans')} items whose owner died among "
+                     f"{rec.get('runs')}; median of {rec.get('repeats')} recoveries per "
+                     "target, each on a fresh copy; `runstile recover --json` against "
+                     "`DBOS._recover_pending_workflows`.")
+    lines += ["", "## How to read it", "", HOW_TO_READ.format(cpus=m["cpus"])]
+    md_path.write_text("\n".join(lines).rstrip() + "\n")
+    return [md_path] + ([] if chart_problem else [png_path])
+
+
+def docs_wanted(only: str) -> bool:
+    """docs/ is rewritten after a full run (all sections); BENCH_DOCS=1 forces it, 0 stops it."""
+    flag = os.environ.get("BENCH_DOCS", "").strip()
+    if flag in ("0", "1"):
+        return flag == "1"
+    return not only
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
