@@ -300,6 +300,23 @@ def _versions(reports: dict) -> dict:
     return out
 
 
+def code_version() -> str:
+    """The commit measured, and whether runstile/ or bench/ differed from it."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no",
+                                "--", "runstile", "bench"], cwd=REPO, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if not head:
+        return "unknown (no git)"
+    return f"`{head}`" + (" with uncommitted changes in runstile/ or bench/" if dirty
+                          else " (runstile/ and bench/ as committed)")
+
+
 def _command() -> str:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
                    if k.startswith("BENCH_") and k != "BENCH_DOCS")
@@ -452,6 +469,7 @@ def write_docs(summary: dict, reports: dict, started: datetime, seconds: float) 
         f"{m['machine']}, Linux {m['kernel']}, {m['memory'] or '? GiB'} memory; "
         "shared with other work, and clients, servers and workers on the same CPUs",
         f"* Python {m['python']}, SQLite {m['sqlite']}",
+        f"* code measured: commit {code_version()}",
         "* peers: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "",
         "## Commands",
