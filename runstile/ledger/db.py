@@ -50,7 +50,13 @@ def ledger_errors() -> Iterator[None]:
     """Re-raise storage failures as LedgerUnavailable / LedgerCorrupt."""
     try:
         yield
-    except sqlite3.IntegrityError:
+    except sqlite3.IntegrityError as exc:
+        if getattr(exc, "sqlite_errorname", "") == "SQLITE_CONSTRAINT_FOREIGNKEY":
+            # Not a race: a row names one that does not exist, which runstile never
+            # writes (say, an obligation for a run that is gone).  Stop with a clear
+            # error instead of a traceback at every pass.
+            raise LedgerCorrupt(f"the ledger is damaged: {exc} (a row names one that does "
+                                f"not exist; `runstile db check` lists them)") from exc
         raise  # uniqueness races are answered by the caller, never as 503
     except sqlite3.Error as exc:
         translated = translate(exc)

@@ -33,6 +33,7 @@ def check(conn: sqlite3.Connection) -> dict:
                 "WHERE r.id IS NULL").fetchone()[0]
             if orphans:
                 problems.append(f"{orphans} idempotency keys name a missing run")
+            problems += _impossible_rows(conn)
         counts = {}
         if version == migrations.LATEST_VERSION:
             for table in ("profiles", "api_keys", "runs", "idempotency_keys", "dispatches",
@@ -43,6 +44,28 @@ def check(conn: sqlite3.Connection) -> dict:
         journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     return {"ok": not problems, "problems": problems, "schema_version": version,
             "journal_mode": journal_mode, "counts": counts}
+
+
+#: JSON columns runstile reads back (a replayed step's result, an event, a run's input
+#: and result): (table, column, columns naming the row).
+_JSON_COLUMNS = (("journal", "result", "run_id, position"), ("events", "data", "run_id, seq"),
+                 ("runs", "input", "id, NULL"), ("runs", "result", "id, NULL"))
+
+
+def _impossible_rows(conn: sqlite3.Connection, limit: int = 20) -> list[str]:
+    """Rows the schema's CHECKs allow but runstile never writes (the ledger was edited
+    or damaged): a journal for a run that never started (the claim writes run.started
+    before any journal row), and JSON that does not parse."""
+    problems = [f"run {run_id}: journal rows, but the run never started" for (run_id,) in
+                conn.execute("SELECT DISTINCT j.run_id FROM journal j WHERE NOT EXISTS "
+                             "(SELECT 1 FROM events e WHERE e.run_id = j.run_id AND "
+                             f"e.type = 'run.started') LIMIT {limit}")]
+    for table, column, names in _JSON_COLUMNS:
+        rows = conn.execute(f"SELECT {names} FROM {table} WHERE {column} IS NOT NULL AND "
+                            f"NOT json_valid({column}) LIMIT {limit}").fetchall()
+        problems += [f"{table} {a}{'' if b is None else f' #{b}'}: {column} is not JSON"
+                     for a, b in rows]
+    return problems
 
 
 def backup(conn: sqlite3.Connection, target: Path) -> int:
