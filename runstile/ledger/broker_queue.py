@@ -51,10 +51,12 @@ def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, b
     (runstile's claim does).
     """
     with db.ledger_errors():
+        # lastrowid, not RETURNING: fetching a RETURNING row costs a second sqlite3_step,
+        # and every step releases and re-takes the GIL while the write lock is held.
         return conn.execute(
             "INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
-            f"enqueued_at, run_id) VALUES (?, ?, ?, ?, '{READY}', {NOW}, ?) RETURNING id",
-            (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).fetchone()[0]
+            f"enqueued_at, run_id) VALUES (?, ?, ?, ?, '{READY}', {NOW}, ?)",
+            (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).lastrowid
 
 
 def register_consumer(conn: sqlite3.Connection, info: ConsumerInfo) -> None:

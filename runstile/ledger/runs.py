@@ -175,10 +175,11 @@ def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
     this same transaction, so the record is born sent; otherwise sent_at stays NULL
     until a publisher marks it after commit.
     """
+    # lastrowid, not RETURNING id: a RETURNING row costs a second sqlite3_step to fetch.
     dispatch_id = conn.execute(
         "INSERT INTO dispatches (run_id, attempt, reason, created_at, sent_at) "
-        f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END) RETURNING id",
-        (run["id"], run["attempt"], reason, enqueue is not None)).fetchone()[0]
+        f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END)",
+        (run["id"], run["attempt"], reason, enqueue is not None)).lastrowid
     if enqueue is not None:
         enqueue(conn, run, dispatch_id)
     return dispatch_id
