@@ -25,6 +25,7 @@ def _script(name: str):
 MIGRATIONS: list[tuple[int, callable]] = [
     (1, _script("schema.sql")),
     (2, _script("schema_v2_obligations.sql")),  # delivery obligations, webhook secrets
+    (3, _script("schema_v3_run_triggers.sql")),  # runs' triggers without per-row IN lists
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
