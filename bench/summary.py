@@ -18,6 +18,7 @@ the peers: never a runstile dependency).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import shlex
@@ -388,10 +389,15 @@ def write_chart(summary: dict, path: Path, title: str) -> str | None:
                     goal = float(r["issue_target"].split(">=")[1].strip().rstrip("x"))
                     ax.axvline(r["rate"] * goal, color="#c0392b", linestyle="--",
                                linewidth=1)
-                    ax.text(r["rate"] * goal, 0.01,
+                    x = r["rate"] * goal
+                    lo, hi = ax.get_xlim()
+                    frac = ((math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+                            if log else (x - lo) / (hi - lo))
+                    ax.text(x, 0.01,
                             f" issue target: runstile >= {goal:g}x "
-                            + ("Flask + insert" if r["unit"] == "req/s" else "the faster DBOS"),
+                            + ("Flask + insert " if r["unit"] == "req/s" else "the faster DBOS "),
                             color="#c0392b", fontsize=7.5, va="bottom",
+                            ha="right" if frac > 0.55 else "left",
                             transform=ax.get_xaxis_transform(),
                             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none",
                                   "pad": 1})
