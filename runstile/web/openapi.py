@@ -10,6 +10,8 @@ from ..ledger.states import RunStatus
 _TEXT = {"type": "string"}
 _NULL_TEXT = {"type": ["string", "null"]}
 _TIME = {"type": ["string", "null"], "format": "date-time"}
+#: No C0 or C1 control characters (and no DEL), as admission checks session keys.
+_NO_CONTROL_CHARS = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
 
 
 def _error(description: str) -> dict:
@@ -22,6 +24,17 @@ def _json(ref: str, description: str) -> dict:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
 
 
+#: Largest event or run seq (an SQLite INTEGER); an ``after`` or cursor beyond it is refused.
+MAX_SEQ = 2**63 - 1
+#: One Server-Sent Event of a run's stream (before OpenAPI 3.2, a text/event-stream
+#: schema describes each event): its data is the JSON of an Event.
+_SSE_EVENT = {
+    "type": "object", "required": ["data"],
+    "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}, "event": _TEXT,
+                   "data": {"type": "string", "contentMediaType": "application/json",
+                            "contentSchema": {"$ref": "#/components/schemas/Event"}},
+                   "retry": {"type": "integer", "minimum": 0}},
+}
 _RUN_ID_PARAM = {"name": "run_id", "in": "path", "required": True,
                  "schema": {"type": "string"}}
 _AUTH_ERRORS = {"401": _error("missing, malformed, unknown or revoked key"),
@@ -38,13 +51,18 @@ _SCHEMAS = {
     "RunCreate": {
         "type": "object", "additionalProperties": False,
         "properties": {
-            "task": {"type": "string", "minLength": 1, "maxLength": 128},
-            "input": {},
+            "task": {"type": "string", "minLength": 1, "maxLength": 128,
+                     "description": "a registered task; required unless RUNSTILE_DEFAULT_TASK "
+                                    "is set"},
+            "input": {"description": "any I-JSON value (RFC 7493): numbers an IEEE double "
+                                     "holds exactly, so integers within ±(2^53-1)"},
             "run_id": {"type": "string", "pattern": "^run_[0-9a-f]{32}$"},
-            "session_key": {"type": "string", "minLength": 1, "maxLength": 256},
+            "session_key": {"type": "string", "minLength": 1, "maxLength": 256,
+                            "pattern": _NO_CONTROL_CHARS},
             "trigger_id": {"type": "string", "minLength": 1, "maxLength": 256},
             "callback_url": {"type": "string", "format": "uri", "maxLength": 2048},
             "metadata": {"type": "object", "maxProperties": 32,
+                         "propertyNames": {"minLength": 1, "maxLength": 128},
                          "additionalProperties": {"type": "string", "maxLength": 512}},
         },
     },
@@ -190,15 +208,16 @@ def document() -> dict:
                     "parameters": [
                         _RUN_ID_PARAM,
                         {"name": "after", "in": "query", "required": False,
-                         "schema": {"type": "integer", "minimum": 0}},
+                         "schema": {"type": "integer", "minimum": 0, "maximum": MAX_SEQ}},
                         {"name": "Last-Event-ID", "in": "header", "required": False,
-                         "schema": {"type": "string"}},
+                         "description": "the last seq received; ?after wins over it",
+                         "schema": {"type": "string", "pattern": "^[0-9]*$"}},
                     ],
                     "responses": {
                         "200": {"description": "events after the given seq", "content": {
                             "application/json": {
                                 "schema": {"$ref": "#/components/schemas/EventList"}},
-                            "text/event-stream": {"schema": {"type": "string"}}}},
+                            "text/event-stream": {"schema": _SSE_EVENT}}},
                         "400": _error("invalid_request"),
                         "404": _error("run_not_found"), **_AUTH_ERRORS,
                     },
@@ -223,7 +242,9 @@ def document() -> dict:
                     "requestBody": {"required": True, "content": {"application/json": {
                         "schema": {"type": "object", "additionalProperties": False,
                                    "required": ["approval_id", "decision"],
-                                   "properties": {"approval_id": _TEXT,
+                                   "properties": {"approval_id": {
+                                                      "type": "string", "minLength": 1,
+                                                      "maxLength": 64},
                                                   "decision": {"enum": ["approve", "deny"]}}}}}},
                     "responses": {"200": _json("Run", "decided (or the same decision again)"),
                                   "400": _error("invalid_request / invalid_json"),

@@ -15,7 +15,7 @@ from ..errors import (InvalidRequest, RunNotFound, RunNotPaused, RunstileError,
 from ..ledger import events, execution, runs
 from ..ledger.states import TERMINAL, RunStatus
 from ..objects import event_object, parse_rfc3339, run_object
-from . import admission, metrics
+from . import admission, metrics, openapi
 from .auth import authenticate, principal
 from .state import conn, state
 
@@ -28,6 +28,18 @@ TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)
 STREAM_POLL_S = 0.05
 LIST_PARAMS = {"status", "task", "session_key", "idempotency_key", "created_after",
                "created_before", "limit", "cursor"}
+
+
+def _whole_number(text: str) -> int | None:
+    """``text`` as a whole number that fits the ledger's seqs (an SQLite INTEGER), or None.
+
+    ASCII digits only: str.isdigit() also accepts '²' (which int() refuses) and '٣' (which
+    it reads as 3); and a larger number cannot even be bound to a query.
+    """
+    if not (text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value <= openapi.MAX_SEQ else None
 
 
 @blueprint.before_request
@@ -126,7 +138,7 @@ def _decode_cursor(text: str) -> int:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
         version, _, seq = raw.partition(":")
-        if version != "v1" or not seq.isdigit():
+        if version != "v1" or _whole_number(seq) is None:
             raise ValueError
         return int(seq)
     except (ValueError, UnicodeDecodeError):
@@ -169,13 +181,13 @@ def _list_filter() -> runs.RunFilter:
 @blueprint.get("/v1/runs")
 def list_runs():
     flt = _list_filter()
-    raw_limit = request.args.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 200:
+    limit = _whole_number(request.args.get("limit", "20"))
+    if limit is None or not 1 <= limit <= 200:
         raise InvalidRequest("limit must be a whole number from 1 to 200", field="limit")
     cursor = request.args.get("cursor")
     before = None if cursor is None else _decode_cursor(cursor)
     rows, has_more = runs.list_visible(conn(), principal(), flt, before_seq=before,
-                                       limit=int(raw_limit))
+                                       limit=limit)
     return jsonify({"object": "list", "data": [run_object(r) for r in rows],
                     "has_more": has_more,
                     "next_cursor": _encode_cursor(rows[-1]["seq"]) if has_more else None})
@@ -187,9 +199,11 @@ def _after_param() -> int:
         raw = request.headers.get("Last-Event-ID")
     if raw is None or raw == "":
         return 0
-    if not raw.isdigit():
-        raise InvalidRequest("after / Last-Event-ID must be a whole number", field="after")
-    return int(raw)
+    after = _whole_number(raw)
+    if after is None:
+        raise InvalidRequest(f"after / Last-Event-ID must be a whole number up to "
+                             f"{openapi.MAX_SEQ}", field="after")
+    return after
 
 
 def _wants_json() -> bool:
