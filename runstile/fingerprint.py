@@ -7,6 +7,8 @@ can compare old records with the old rules instead of refusing honest retries.
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
 import rfc8785
 
@@ -20,10 +22,51 @@ class NotCanonicalisable(ValueError):
     """Raised when a body holds a value JCS cannot represent (an integer beyond 2**53)."""
 
 
-def fingerprint(normalised: dict) -> str:
-    """Hex SHA-256 of the canonical form of ``normalised`` (every FIELDS key present)."""
+#: JCS's integer domain (what an IEEE 754 double holds exactly), as rfc8785 checks it.
+_INT_MIN, _INT_MAX = -(2**53) + 1, 2**53 - 1
+#: Sorted keys, no whitespace, UTF-8 as is: JCS's output for the values _json_agrees admits.
+_encode_sorted = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True,
+                                  allow_nan=False).encode
+
+
+def _json_agrees(value: Any) -> bool:
+    """True when the standard json encoder writes ``value`` exactly as JCS does.
+
+    It does for null, booleans, strings (both escape exactly ``"``, ``\\`` and U+0000-U+001F,
+    the same way; lone surrogates fail the UTF-8 encoding below either way), integers in
+    JCS's domain, and arrays and objects of those whose keys are ASCII (then code point
+    order, which sort_keys uses, is JCS's UTF-16 order).  Floats (ECMAScript number
+    formatting) and non-ASCII keys go to rfc8785.
+    """
+    kind = type(value)
+    if kind is str or kind is bool or value is None:
+        return True
+    if kind is int:
+        return _INT_MIN <= value <= _INT_MAX
+    if kind is list:
+        return all(map(_json_agrees, value))
+    if kind is dict:
+        return (all(type(key) is str and key.isascii() for key in value)
+                and all(map(_json_agrees, value.values())))
+    return False
+
+
+def canonical(normalised: dict) -> bytes:
+    """The RFC 8785 (JCS) form of ``normalised``'s FIELDS, as UTF-8."""
+    body = {name: normalised.get(name) for name in FIELDS}
     try:
-        canonical = rfc8785.dumps({name: normalised.get(name) for name in FIELDS})
+        if _json_agrees(body):
+            # The common case, in C: about 10x cheaper than rfc8785's pure-Python walk,
+            # and byte for byte the same (tests/unit/test_fingerprint.py checks both).
+            return _encode_sorted(body).encode("utf-8")
+    except (RecursionError, UnicodeEncodeError):
+        pass  # rfc8785 decides (and names the problem)
+    try:
+        return rfc8785.dumps(body)
     except (rfc8785.CanonicalizationError, ValueError, TypeError) as exc:
         raise NotCanonicalisable(str(exc)) from None
-    return hashlib.sha256(canonical).hexdigest()
+
+
+def fingerprint(normalised: dict) -> str:
+    """Hex SHA-256 of the canonical form of ``normalised`` (every FIELDS key present)."""
+    return hashlib.sha256(canonical(normalised)).hexdigest()

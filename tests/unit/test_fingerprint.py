@@ -1,0 +1,62 @@
+"""The fingerprint's fast path writes exactly what RFC 8785 (rfc8785) writes, or defers to it."""
+
+from __future__ import annotations
+
+import pytest
+import rfc8785
+from hypothesis import given, settings, strategies as st
+
+from runstile.fingerprint import FIELDS, NotCanonicalisable, canonical
+
+_text = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=8)
+_scalars = (st.none() | st.booleans() | _text
+            | st.integers(min_value=-(2**54), max_value=2**54)
+            | st.floats(allow_nan=True, allow_infinity=True))
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(_text, inner, max_size=4), max_leaves=20)
+
+
+def _reference(body: dict) -> bytes | type:
+    try:
+        return rfc8785.dumps({name: body.get(name) for name in FIELDS})
+    except (rfc8785.CanonicalizationError, ValueError, TypeError):
+        return NotCanonicalisable
+
+
+@settings(max_examples=2000, deadline=None)
+@given(_json)
+def test_any_input_canonicalises_byte_for_byte_as_rfc8785_does_or_is_refused_alike(value):
+    body = {"task": "t", "input": value}
+    expected = _reference(body)
+    if expected is NotCanonicalisable:
+        with pytest.raises(NotCanonicalisable):
+            canonical(body)
+    else:
+        assert canonical(body) == expected
+
+
+@pytest.mark.parametrize("value", [
+    {"é": 1, "z": 2, "\U0001f600": 3, "\ufb01": 4},   # non-ASCII keys: UTF-16 order
+    "\ud800",                                          # a lone surrogate
+    2**53, -(2**53), 2**53 - 1,                        # the edges of the integer domain
+    1.0, 1e21, 1e-7, -0.0, 5e-324,                     # ECMAScript number formatting
+    "\x00\x1f\x7f\u2028\"\\\b\f\n\r\t",                # every escape there is, and some that are not
+    [[[[[]]]]], {}, [], "",
+])
+def test_the_edges_of_the_fast_path_agree_with_rfc8785(value):
+    body = {"task": "t", "input": value, "metadata": {"k": "v"}}
+    expected = _reference(body)
+    if expected is NotCanonicalisable:
+        with pytest.raises(NotCanonicalisable):
+            canonical(body)
+    else:
+        assert canonical(body) == expected
+
+
+def test_a_body_nested_beyond_the_recursion_limit_is_left_to_rfc8785():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    body = {"task": "t", "input": deep}
+    with pytest.raises((NotCanonicalisable, RecursionError)):
+        canonical(body)
