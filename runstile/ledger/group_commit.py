@@ -35,7 +35,11 @@ class _Unit:
         self.work = work
         self.result: Any = None
         self.error: BaseException | None = None
-        self.done = threading.Event()
+        #: A latch: held from birth, released once by the committer when the unit is
+        #: settled; the waiting request thread acquires it.  (A bare lock, not an
+        #: Event: one wake-up without a Condition's bookkeeping.)
+        self.done = threading.Lock()
+        self.done.acquire()
 
 
 class GroupCommitter:
@@ -52,7 +56,7 @@ class GroupCommitter:
         self._ensure_thread()
         unit = _Unit(work)
         self._queue.put(unit)
-        unit.done.wait()
+        unit.done.acquire()
         if unit.error is not None:
             raise unit.error
         return unit.result
@@ -92,7 +96,7 @@ class GroupCommitter:
                         pass
                     conn = None  # reopen: the failure may have broken the connection
             for unit in batch:
-                unit.done.set()
+                unit.done.release()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Unit]) -> None:
         """All units in one transaction.  A unit may *refuse* (a RunstileError raised

@@ -88,13 +88,13 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidJson(f"the body is not valid JSON: {exc}") from None
 
 
-def parse_idempotency_key(headers) -> str | None:
-    if "Idempotency-Key" not in headers:
+def parse_idempotency_key(environ: dict) -> str | None:
+    """The header's value, read from the WSGI environ: werkzeug's header view would walk
+    the whole environ for it.  (A server folds repeated headers into one environ value,
+    "a,b"; as before, that value is then checked as one key.)"""
+    key = environ.get("HTTP_IDEMPOTENCY_KEY")
+    if key is None:
         return None
-    values = headers.getlist("Idempotency-Key")
-    if len(values) != 1:
-        raise InvalidIdempotencyKey("send at most one Idempotency-Key header")
-    key = values[0]
     if not _KEY.fullmatch(key):
         raise InvalidIdempotencyKey(
             "Idempotency-Key must be 1-255 visible ASCII characters (no spaces); "
@@ -138,7 +138,7 @@ def build(request, principal: Principal, *, settings, task_names) -> tuple[Admis
     raw = read_body(request, settings.max_body_bytes)
     require_json_content_type(request)
     body = parse_json(raw)
-    header_key = parse_idempotency_key(request.headers)
+    header_key = parse_idempotency_key(request.environ)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
@@ -183,7 +183,7 @@ def build(request, principal: Principal, *, settings, task_names) -> tuple[Admis
         refusal = InvalidCallbackUrl(reason, field="callback_url")
     elif effective_task not in task_names:
         refusal = UnknownTask(f"no task named {effective_task!r} is registered", field="task")
-    dumps = _compact
+    dumps = compact_json
     return AdmissionRequest(
         principal=principal, key=key, key_is_derived=derived, run_id=run_id,
         task=effective_task, input_json=dumps(body.get("input")), session_key=session_key,
@@ -193,5 +193,6 @@ def build(request, principal: Principal, *, settings, task_names) -> tuple[Admis
     ), refusal
 
 
-def _compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+#: json.dumps(value, separators=(",", ":"), ensure_ascii=False), without building an
+#: encoder per call (json.dumps does that whenever it is given options).
+compact_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode

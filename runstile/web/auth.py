@@ -12,7 +12,7 @@ from .state import conn
 
 def authenticate() -> Principal:
     """Resolve the request's key, on every request, so a revocation applies at once."""
-    header = request.headers.get("Authorization", "")
+    header = request.environ.get("HTTP_AUTHORIZATION", "")  # = request.headers, no wrapper
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret or " " in secret.strip():
         raise Unauthorized("authentication required")

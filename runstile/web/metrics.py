@@ -18,8 +18,15 @@ ADMISSION_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 
 
+#: This process's counter per outcome (labels() takes a lock and builds a key per call).
+_admissions_by_outcome: dict[str, Counter] = {}
+
+
 def observe_admission(outcome: str, seconds: float) -> None:
-    ADMISSIONS.labels(outcome=outcome).inc()
+    counter = _admissions_by_outcome.get(outcome)
+    if counter is None:
+        counter = _admissions_by_outcome[outcome] = ADMISSIONS.labels(outcome=outcome)
+    counter.inc()
     ADMISSION_SECONDS.observe(seconds)
 
 

@@ -47,25 +47,30 @@ def _authenticate() -> None:
     authenticate()
 
 
+#: json.dumps(value, separators=(",", ":")) without an encoder built per call.
+_compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
+
+
 @blueprint.post("/v1/runs")
 def create_run():
     started = time.perf_counter()
     outcome = "error"
+    web = state()  # once: every flask proxy access costs a context lookup
     try:
-        settings = state().settings
-        req, refusal = admission.build(request, principal(), settings=settings,
-                                       task_names=state().task_names)
+        settings = web.settings
+        req, refusal = admission.build(request._get_current_object(), principal(),
+                                       settings=settings, task_names=web.task_names)
         admitted = runs.admit(None, req, refusal=refusal,
                               max_active_runs=settings.max_active_runs,
                               enqueue=dispatch.in_transaction_enqueue(settings),
-                              committer=state().committer)
+                              committer=web.committer)
         crashpoints.hit(settings, "after_admit_commit")
         if not admitted.replayed:
             # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
             # the embedded broker, whose message committed with it).  Never raises: a
             # failed publish leaves the record unsent for recovery, and the 202 stands.
             dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
-                             mark=state().committer.run)
+                             mark=web.committer.run)
         outcome = "replayed" if admitted.replayed else "created"
     except RunstileError as exc:
         outcome = exc.code
@@ -77,7 +82,7 @@ def create_run():
     headers = {"Location": f"/v1/runs/{admitted.run['id']}"}
     if admitted.replayed:
         headers["Idempotency-Replayed"] = "true"
-    return Response(json.dumps(body, separators=(",", ":")), status=202, headers=headers,
+    return Response(_compact_ascii(body), status=202, headers=headers,
                     mimetype="application/json")
 
 
