@@ -16,9 +16,11 @@ dbos      DBOS on SQLite (as DBOS opens it, and in WAL mode): an application tha
 
 Both sides are timed twice: the recovery itself, inside the process (runstile: the
 pass's own ``duration_s`` from its JSON report, which also covers the pass's other
-steps — migration check, the re-publish scan, retention, the report; DBOS: the
+steps — migration check, the re-publish scan, retention, the report — but not the WAL
+checkpoint the pass runs after recording its report; DBOS: the
 ``_recover_pending_workflows`` call), and the wall time of the whole process
-(interpreter start, imports, DBOS's launch).  items/s = 1,000 / recovery seconds.
+(interpreter start, imports, DBOS's launch; runstile's checkpoint).  items/s = 1,000 /
+recovery seconds.
 
 The runstile ledger is built fast but from real rows: one run of each kind is made
 through runstile's own ledger functions (admission with its idempotency record,
@@ -422,10 +424,11 @@ def verify_pass(after: Path, before: Path, orphan_ids: list[str], report: dict) 
 # ---------------------------------------------------------------- query plans
 
 def query_plans(ledger: Path, node_id: str, generation: int) -> list[dict]:
-    """Run one pass in this process on ``ledger`` (a copy) with every ``execute`` of its
-    connections timed, and return, for each distinct statement, how often it ran, the
-    seconds spent in it (statement and its triggers; COMMIT includes the fsync and any
-    WAL checkpoint) and its EXPLAIN QUERY PLAN with the parameters it ran with."""
+    """Run one pass in this process on ``ledger`` (a copy) with every ``execute`` and
+    ``executemany`` of its connections timed, and return, for each distinct statement,
+    how often it ran, the seconds spent in it (statement and its triggers; COMMIT
+    includes the fsync and any automatic WAL checkpoint) and its EXPLAIN QUERY PLAN with
+    the parameters it ran with."""
     from runstile.config import Settings
     from runstile.ledger import db
     from runstile.recovery import reconcile
@@ -437,7 +440,7 @@ def query_plans(ledger: Path, node_id: str, generation: int) -> list[dict]:
 
     def timed(*args, **kwargs):
         conn = real_connect(*args, **kwargs)
-        execute = conn.execute
+        execute, executemany = conn.execute, conn.executemany
 
         def traced_execute(sql, params=()):
             t0 = time.perf_counter()
@@ -447,7 +450,20 @@ def query_plans(ledger: Path, node_id: str, generation: int) -> list[dict]:
                 entry = seen.setdefault(sql, {"params": params, "calls": 0, "s": 0.0})
                 entry["calls"] += 1
                 entry["s"] += time.perf_counter() - t0
+
+        def traced_executemany(sql, seq_of_params):
+            # Counted once per row, timed as a whole; planned with its first row.
+            rows = list(seq_of_params)
+            t0 = time.perf_counter()
+            try:
+                return executemany(sql, rows)
+            finally:
+                entry = seen.setdefault(sql, {"params": rows[0] if rows else (), "calls": 0,
+                                              "s": 0.0})
+                entry["calls"] += len(rows)
+                entry["s"] += time.perf_counter() - t0
         conn.execute = traced_execute       # LedgerConnection instances take attributes
+        conn.executemany = traced_executemany
         return conn
 
     settings = Settings(data_dir=ledger.parent, node_id=node_id)

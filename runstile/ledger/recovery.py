@@ -28,6 +28,14 @@ def _guard_args(run: dict) -> tuple:
             run["owner_pid"], run["owner_thread"], run["lease_expires_at"])
 
 
+#: What recovery reads of an orphan: enough to classify it (§6.3), guard its UPDATE and
+#: free its session; never input, result or metadata (up to RUNSTILE_MAX_BODY_BYTES
+#: each, and a batch holds CLASSIFY_BATCH runs).
+_ORPHAN_COLUMNS = ("seq, id, profile_id, key_id, task, session_key, status, attempt, "
+                   "recovery_attempts, interruption, owner_node, owner_generation, owner_pid, "
+                   "owner_thread, lease_expires_at")
+
+
 def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
              limit: int) -> list[dict]:
     """Runs handed to a worker whose owner is gone: the lease lapsed, or the owner is an
@@ -35,10 +43,10 @@ def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
     # Two index ranges instead of one OR (which SQLite answers by walking every
     # in-flight run): lapsed leases on runs_in_flight, dead generations on runs_by_owner.
     rows = conn.execute(
-        "SELECT * FROM runs WHERE status IN ('running', 'stopping') AND "
+        f"SELECT {_ORPHAN_COLUMNS} FROM runs WHERE status IN ('running', 'stopping') AND "
         f"(lease_expires_at IS NULL OR lease_expires_at <= {NOW}) "
-        "UNION SELECT * FROM runs WHERE owner_node = ? AND owner_generation < ? AND "
-        "status IN ('running', 'stopping') LIMIT ?",
+        f"UNION SELECT {_ORPHAN_COLUMNS} FROM runs WHERE owner_node = ? AND "
+        "owner_generation < ? AND status IN ('running', 'stopping') LIMIT ?",
         (node_id, generation, limit)).fetchall()
     return [dict(r) for r in rows]
 
@@ -129,45 +137,58 @@ def uncertain_among(conn: sqlite3.Connection, run_ids: list[str]) -> set[str]:
 def apply_terminal_many(conn: sqlite3.Connection, decisions: list[tuple[dict, str, str]],
                         enqueue: Enqueue | None) -> list[str]:
     """Set-based ``apply`` for the terminal classes (interrupted, cancelled): one guarded
-    UPDATE and one event INSERT per class for a whole batch, in the caller's
-    transaction.  Each row is still guarded on exactly what recovery read; returns the
-    ids whose guard won."""
+    UPDATE per class for a whole batch, then its events, in the caller's transaction.
+    Each row is still guarded on exactly what recovery read; returns the ids whose guard
+    won (only those get an event)."""
     won: list[str] = []
     for klass, (status, code, message) in _TERMINAL.items():
-        rows = [(run, reason) for run, k, reason in decisions if k == klass]
+        rows = sorted(((run, reason) for run, k, reason in decisions if k == klass),
+                      key=lambda item: item[0]["seq"])
         if not rows:
             continue
-        guards = json.dumps([{
-            "id": run["id"], "status": run["status"], "node": run["owner_node"],
-            "generation": run["owner_generation"], "pid": run["owner_pid"],
-            "thread": run["owner_thread"], "lease": run["lease_expires_at"],
-            "reason": reason} for run, reason in rows])
+        # Each guard is a JSON array (a positional ->> is cheaper than a key lookup),
+        # matched on seq, the rowid: one b-tree seek per run instead of a probe of the
+        # id index then the table; in seq order, so the table is walked forwards.  The
+        # id is still compared, with the status, the whole owner and the lease.
+        guards = json.dumps([
+            [run["seq"], run["id"], run["status"], run["owner_node"], run["owner_generation"],
+             run["owner_pid"], run["owner_thread"], run["lease_expires_at"], reason]
+            for run, reason in rows])
         ids = [r[0] for r in conn.execute(
-            f"UPDATE runs SET status = ?, error_code = ?, error_message = ?, "
-            "recovery_reason = g.value ->> 'reason', "
+            "UPDATE runs SET status = ?, error_code = ?, error_message = ?, "
+            "recovery_reason = g.value ->> 8, "
             f"finished_at = {NOW}, owner_node = NULL, owner_generation = NULL, "
             "owner_pid = NULL, owner_thread = NULL, lease_expires_at = NULL, "
             "interruption = NULL, recovery_attempts = recovery_attempts + 1, "
-            f"updated_at = {NOW} FROM json_each(?) AS g WHERE runs.id = g.value ->> 'id' "
-            "AND runs.status = g.value ->> 'status' "
-            "AND runs.owner_node IS g.value ->> 'node' "
-            "AND runs.owner_generation IS g.value ->> 'generation' "
-            "AND runs.owner_pid IS g.value ->> 'pid' "
-            "AND runs.owner_thread IS g.value ->> 'thread' "
-            "AND runs.lease_expires_at IS g.value ->> 'lease' RETURNING runs.id",
+            f"updated_at = {NOW} FROM json_each(?) AS g WHERE runs.seq = g.value ->> 0 "
+            "AND runs.id = g.value ->> 1 AND runs.status = g.value ->> 2 "
+            "AND runs.owner_node IS g.value ->> 3 "
+            "AND runs.owner_generation IS g.value ->> 4 "
+            "AND runs.owner_pid IS g.value ->> 5 "
+            "AND runs.owner_thread IS g.value ->> 6 "
+            "AND runs.lease_expires_at IS g.value ->> 7 RETURNING runs.id",
             (status, code, message, guards)).fetchall()]
         if not ids:
             continue
-        data = {"reason": "stopped"} if code is None else None
         by_id = {run["id"]: (run, reason) for run, reason in rows}
-        payloads = json.dumps([{"id": rid, "data": json.dumps(
-            data or {"reason": by_id[rid][1], "error": {"code": code, "message": message}},
-            separators=(",", ":"))} for rid in ids])
-        conn.execute(
-            "INSERT INTO events (run_id, seq, type, data, created_at) "
-            "SELECT p.value ->> 'id', COALESCE((SELECT MAX(e.seq) FROM events e "
-            "WHERE e.run_id = p.value ->> 'id'), 0) + 1, ?, p.value ->> 'data', "
-            f"{NOW} FROM json_each(?) AS p", (f"run.{status}", payloads))
+        data: dict[str | None, str] = {}   # the event's JSON, made once per reason
+        for rid in ids:
+            reason = by_id[rid][1]
+            if reason not in data:
+                data[reason] = json.dumps(
+                    {"reason": "stopped"} if code is None else
+                    {"reason": reason, "error": {"code": code, "message": message}},
+                    separators=(",", ":"))
+        # One prepared INSERT ... VALUES stepped once per run (executemany), its seq read
+        # from the run's own last event by a subquery.  Not INSERT ... SELECT: a SELECT
+        # that reads the table it inserts into is first copied into a temporary table
+        # (for a whole batch, or for each row), which took about twice as long.  In
+        # run_id order, the primary key's: the inserts walk the b-tree forwards.  No race
+        # on seq: the caller holds the write lock (BEGIN IMMEDIATE).
+        conn.executemany(
+            "INSERT INTO events (run_id, seq, type, data, created_at) VALUES (?1, "
+            f"(SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?1), ?2, ?3, {NOW})",
+            [(rid, f"run.{status}", data[by_id[rid][1]]) for rid in sorted(ids)])
         for rid in ids:
             run = by_id[rid][0]
             if run.get("session_key") is not None:
@@ -207,6 +228,38 @@ def mark_drained(conn: sqlite3.Connection, *, node: str, generation: int, pid: i
             "owner_pid = ? AND status IN ('running', 'stopping') RETURNING id",
             (node, generation, pid)).fetchall()
     return [r[0] for r in rows]
+
+
+#: KiB of page cache for a recovery pass's connection (SQLite's default is 2,000).  One
+#: batch of CLASSIFY_BATCH orphans dirties ~9 MB, most of it events leaves (a run's
+#: events sit wherever its id sorts); a smaller cache spills dirty pages to the WAL in
+#: the middle of the transaction.  Memory is taken as pages are read, and given back
+#: when the pass closes its connection.
+PASS_CACHE_KIB = 32 * 1024
+
+
+def open_pass(path, *, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connection:
+    """The connection one recovery pass does all its work on.
+
+    Besides the cache, its commits never checkpoint: SQLite's automatic checkpoint runs
+    inside the COMMIT that crosses 1,000 WAL pages, as a full batch's COMMIT does,
+    so every other writer would wait at the writer gate while ~9 MB is copied back and
+    fsynced.  The pass calls :func:`checkpoint` instead once its writes are done.
+    """
+    conn = db.connect(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms)
+    with db.ledger_errors():
+        conn.execute(f"PRAGMA cache_size = -{int(PASS_CACHE_KIB)}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return conn
+
+
+def checkpoint(conn: sqlite3.Connection) -> tuple[int, int, int]:
+    """Copy the WAL back into the ledger file, outside any transaction.  PASSIVE: it
+    takes no write lock, so writers go on meanwhile, and it stops at frames a reader
+    still needs (that reader's commit or the next checkpoint does the rest).  Returns
+    (busy, WAL frames, frames checkpointed)."""
+    with db.ledger_errors():
+        return tuple(conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
 
 
 def node_generations(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:

@@ -15,7 +15,8 @@ import pytest
 import requests
 
 from runstile.config import Settings
-from runstile.ledger import db, execution, journal, nodes, recovery as ledger_recovery, runs
+from runstile.ledger import (db, events, execution, journal, maintenance, migrations, nodes,
+                             recovery as ledger_recovery, runs)
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.recovery import barrier, reconcile
@@ -144,6 +145,86 @@ def test_a_recovery_that_loses_the_race_to_a_renewing_owner_changes_nothing(ledg
         assert ledger_recovery.apply(conn, run, "interrupted", "owner_lost", None) is False
     conn.close()
     assert status(ledger, rid)[0] == "running"
+
+
+def test_a_batch_moves_only_the_runs_whose_guard_still_holds(ledger):
+    key = ledger.key()
+    renewed, _ = crashed_run(ledger, key, "t.hold")
+    lost, _ = crashed_run(ledger, key, "t.hold")
+    conn = ledger.connect()
+    batch = ledger_recovery.orphaned(conn, node_id="node-a", generation=1, limit=10)
+    assert {run["id"] for run in batch} == {renewed, lost}
+    conn.execute("UPDATE runs SET lease_expires_at = lease_expires_at + 1 WHERE id = ?",
+                 (renewed,))
+    with db.transaction(conn):
+        won = ledger_recovery.apply_terminal_many(
+            conn, [(run, "interrupted", "owner_lost") for run in batch], None)
+    conn.close()
+    assert won == [lost]
+    assert status(ledger, renewed)[0] == "running"
+    assert event_types(ledger, renewed)[-1] == "run.started"
+    assert status(ledger, lost)[:3] == ("interrupted", 1, "owner_lost")
+    assert event_types(ledger, lost)[-1] == "run.interrupted"
+
+
+def test_each_run_of_a_batch_gets_its_event_after_its_own_last_one(ledger):
+    key = ledger.key()
+    crashed = [crashed_run(ledger, key, "t.hold")[0] for _ in range(5)]
+    stopping = crashed_run(ledger, key, "t.hold")[0]
+    conn = ledger.connect()
+    with db.transaction(conn):
+        for extra, rid in enumerate(crashed):       # 0 to 4 more events each
+            for _ in range(extra):
+                events.append(conn, rid, "run.progress", {"pct": extra})
+        conn.execute("UPDATE runs SET status = 'stopping' WHERE id = ?", (stopping,))
+    conn.close()
+    before = dict(ledger.query("SELECT run_id, MAX(seq) FROM events GROUP BY run_id"))
+
+    report = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+
+    assert {k: v for k, v in report.counts.items() if v} == {"interrupted": 5, "cancelled": 1}
+    for rid in crashed + [stopping]:
+        [(seq, type_)] = ledger.query("SELECT seq, type FROM events WHERE run_id = ? AND "
+                                      "seq > ?", (rid, before[rid]))
+        assert seq == before[rid] + 1
+        assert type_ == ("run.cancelled" if rid == stopping else "run.interrupted")
+    conn = ledger.connect()
+    try:
+        assert maintenance.check(conn)["ok"], "profiles.active_runs is no longer exact"
+    finally:
+        conn.close()
+
+
+def test_a_pass_copies_its_writes_back_into_the_ledger_file(ledger, tmp_path):
+    key = ledger.key()
+    rid, _ = crashed_run(ledger, key, "t.hold")
+    # A connection left open elsewhere: closing the pass's own connection is then not
+    # the last close, which would checkpoint by itself.
+    bystander = ledger.connect()
+    bystander.execute("SELECT 1").fetchone()
+    try:
+        reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+        copy = tmp_path / "without-wal.db"
+        copy.write_bytes(ledger.path.read_bytes())  # the main file alone, no -wal
+        check = db.connect(copy)
+        try:
+            assert check.execute("SELECT status FROM runs WHERE id = ?",
+                                 (rid,)).fetchone()[0] == "interrupted"
+        finally:
+            check.close()
+    finally:
+        bystander.close()
+
+
+def test_a_pass_on_a_data_directory_without_a_ledger_creates_it(tmp_path):
+    settings = Settings(data_dir=tmp_path / "fresh", node_id="node-a")
+    report = reconcile.run_pass(settings, generation=0, trigger="command")
+    assert report.report_id is not None
+    conn = db.connect(settings.ledger_path)
+    try:
+        assert migrations.is_current(conn)
+    finally:
+        conn.close()
 
 
 def test_a_queued_run_whose_message_was_lost_is_republished(ledger):
