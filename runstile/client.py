@@ -229,7 +229,8 @@ def parse_sse(chunks: Iterable[bytes]) -> Iterator[dict]:
             event = value
         elif name == "id" and "\0" not in value:
             event_id = value
-        elif name == "retry" and value.isdigit():
+        elif name == "retry" and value.isascii() and value.isdigit() and len(value) <= 9:
+            # ASCII only: str.isdigit() also takes '²', which int() refuses.
             yield {"retry": int(value)}
 
 
@@ -471,8 +472,8 @@ class Client:
         """``Retry-After`` when the server sent one (seconds or an HTTP date), else backoff."""
         raw = (answer.headers.get("Retry-After") or "").strip()
         seconds: float | None = None
-        if raw.isdigit():
-            seconds = float(raw)
+        if raw.isascii() and raw.isdigit():  # not '²': float() would refuse it
+            seconds = float(raw[:9])
         elif raw:
             try:
                 when = dt.datetime.strptime(raw, "%a, %d %b %Y %H:%M:%S GMT")
