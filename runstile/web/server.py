@@ -59,8 +59,14 @@ def _child_exit(server, worker) -> None:
 
 
 def run_gunicorn(settings: Settings) -> None:
-    """Serve until SIGTERM/SIGINT.  Metrics of all processes meet in one scratch folder."""
-    metrics_dir = tempfile.mkdtemp(prefix="metrics-", dir=settings.data_dir)
+    """Serve until SIGTERM/SIGINT.  Metrics of all processes meet in one scratch folder.
+
+    The folder is in the system's temporary directory, never beside the ledger:
+    prometheus_client writes its files through mmap into sparse pages, and a process
+    that touches a new page on a full filesystem dies of SIGBUS — a full ledger disk
+    must cost 503s, not web processes killed as fast as gunicorn can fork them.
+    """
+    metrics_dir = tempfile.mkdtemp(prefix="runstile-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         _Gunicorn(settings).run()
