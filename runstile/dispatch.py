@@ -54,6 +54,15 @@ def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> 
                                 run_id=run["id"])
 
 
+def _embedded_message(run: dict, dispatch_id: int) -> broker_queue.NewMessage:
+    message = message_for(run["id"], dispatch_id)
+    return QUEUE, message.message_id, message.encode(), None, run["id"]
+
+
+#: A batch of admissions collects its messages and inserts them with one statement.
+_embedded_enqueue.message = _embedded_message
+
+
 def in_transaction_enqueue(settings: Settings, *, delay_s: float = 0.0) -> Enqueue | None:
     """The callback admission and re-queues pass to the ledger, or None for brokers that
     are published to after commit (Redis, RabbitMQ).  With ``delay_s`` the message waits

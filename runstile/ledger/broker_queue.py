@@ -59,6 +59,22 @@ def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, b
             (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).lastrowid
 
 
+#: One message for :func:`insert_messages`: (queue name, message id, body, eta, run id).
+NewMessage = tuple
+
+
+def insert_messages(conn: sqlite3.Connection, messages: Sequence[NewMessage]) -> None:
+    """:func:`insert_message` for several messages with one statement (a batch of
+    admissions).  Runs in the caller's transaction."""
+    args: list = []
+    for queue_name, message_id, body, eta, run_id in messages:
+        args += (queue_name, message_id, sqlite3.Binary(body), eta, run_id)
+    with db.ledger_errors():
+        conn.execute("INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
+                     "enqueued_at, run_id) VALUES "
+                     + ", ".join([f"(?, ?, ?, ?, '{READY}', {NOW}, ?)"] * len(messages)), args)
+
+
 def register_consumer(conn: sqlite3.Connection, info: ConsumerInfo) -> None:
     """Record a live consumer (first heartbeat)."""
     with db.transaction(conn):

@@ -11,6 +11,11 @@ is then retried one unit per transaction.
 Durability is unchanged: a waiter learns its result only after the COMMIT that holds
 it returned, so no answer is sent for anything that is not on disk; if the COMMIT
 fails, every unit of the batch fails with LedgerUnavailable and none was acknowledged.
+
+A unit's work may offer ``run_many(conn, works) -> [(result, refusal), ...]``: the units
+of a batch that share it are then run by one call, so that their writes can be
+set-based (admissions: ``ledger.runs.reserve_many``).  Same contract: refusals per unit,
+before writing; any other exception aborts the batch.
 """
 
 from __future__ import annotations
@@ -104,13 +109,19 @@ class GroupCommitter:
         others; anything else aborts the batch, which is then retried unit by unit."""
         try:
             with db.transaction(conn):
-                for unit in batch:
-                    try:
-                        unit.result = unit.work(conn)
-                    except RunstileError as exc:
-                        if isinstance(exc, LedgerUnavailable):
-                            raise
-                        unit.error = exc
+                for run_many, units in _by_kind(batch):
+                    if run_many is not None:
+                        outcomes = run_many(conn, [unit.work for unit in units])
+                        for unit, (result, error) in zip(units, outcomes):
+                            unit.result, unit.error = result, error
+                        continue
+                    for unit in units:
+                        try:
+                            unit.result = unit.work(conn)
+                        except RunstileError as exc:
+                            if isinstance(exc, LedgerUnavailable):
+                                raise
+                            unit.error = exc
         except LedgerUnavailable:
             raise
         except Exception:
@@ -125,3 +136,20 @@ class GroupCommitter:
                     raise
                 except Exception as exc:
                     unit.error = exc
+
+
+def _by_kind(batch: list[_Unit]) -> list[tuple[Any, list[_Unit]]]:
+    """The batch's units with the same ``run_many`` together (in order of first
+    appearance, each group in batch order); units without one each on their own."""
+    groups: dict[Any, list[_Unit]] = {}
+    out: list[tuple[Any, list[_Unit]]] = []
+    for unit in batch:
+        run_many = getattr(unit.work, "run_many", None)
+        if run_many is None:
+            out.append((None, [unit]))
+        elif run_many in groups:
+            groups[run_many].append(unit)
+        else:
+            groups[run_many] = [unit]
+            out.append((run_many, groups[run_many]))
+    return out
