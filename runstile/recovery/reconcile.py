@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import crashpoints, dispatch
 from ..config import Settings
+from ..errors import LedgerUnavailable
 from ..ledger import (broker_queue, db, dispatches, migrations, obligations, recovery, retention,
                       sessions)
 from ..workers import registry
@@ -101,7 +102,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                 break
             batches += 1
             if batches % CHECKPOINT_EVERY_BATCHES == 0:
-                recovery.checkpoint(conn)  # keeps the WAL bounded; no lock held here
+                _checkpoint(conn)  # keeps the WAL bounded; no lock held here
         # Step 3 may have ended or paused runs that have a callback: send those now.
         report.counts["deliveries_sent"] += dispatch.send_deliveries(settings, conn)
         # 4. Re-publish unsent dispatch records, and runs still queued long after their
@@ -146,12 +147,22 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
         # The pass's commits left their pages in the WAL (see recovery.open_pass): copy
         # them back now, holding no lock that a writer waits for.  After the report, so
         # not in its duration_s (the barrier, at boot, still opens only after it).
-        recovery.checkpoint(conn)
+        _checkpoint(conn)
     finally:
         conn.close()
     log.info("recovery (%s, generation %d): %s in %.3fs", trigger, generation,
              report.as_dict()["counts"] or "nothing to do", report.duration_s)
     return report
+
+
+def _checkpoint(conn) -> None:
+    """A checkpoint that fails (disk full, I/O error) loses nothing: the pages stay in
+    the WAL, committed, for the next checkpoint.  So it never fails the pass, as an
+    automatic checkpoint never failed the COMMIT it followed."""
+    try:
+        recovery.checkpoint(conn)
+    except LedgerUnavailable as exc:
+        log.warning("WAL checkpoint after recovery failed (%s); a later one copies it", exc)
 
 
 def _open_migrated(settings: Settings):

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from runstile.config import Settings
+from runstile.errors import LedgerUnavailable
 from runstile.ledger import (db, events, execution, journal, maintenance, migrations, nodes,
                              recovery as ledger_recovery, runs)
 from runstile.ledger.execution import Owner
@@ -214,6 +215,18 @@ def test_a_pass_copies_its_writes_back_into_the_ledger_file(ledger, tmp_path):
             check.close()
     finally:
         bystander.close()
+
+
+def test_a_checkpoint_that_fails_does_not_fail_the_pass(ledger, monkeypatch):
+    key = ledger.key()
+    rid, _ = crashed_run(ledger, key, "t.hold")
+
+    def disk_full(conn):
+        raise LedgerUnavailable("the ledger is unavailable: database or disk is full")
+    monkeypatch.setattr(ledger_recovery, "checkpoint", disk_full)
+    report = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
+    assert report.counts["interrupted"] == 1 and report.report_id is not None
+    assert status(ledger, rid)[0] == "interrupted"
 
 
 def test_a_pass_on_a_data_directory_without_a_ledger_creates_it(tmp_path):
