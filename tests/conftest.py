@@ -123,11 +123,12 @@ def tiny_disk(request, tmp_path):
 def fill(folder: Path) -> Path:
     """Write a filler file into ``folder`` until its filesystem refuses; return it."""
     filler = folder / "filler"
-    with open(filler, "wb") as handle:
+    # Unbuffered: a buffered file would try its refused bytes again when closed, and
+    # raise there.
+    with open(filler, "wb", buffering=0) as handle:
         try:
             while True:
                 handle.write(b"\0" * 65536)
-                handle.flush()
         except OSError:
             pass
     return filler

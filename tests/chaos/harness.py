@@ -73,6 +73,12 @@ class Clients:
     threads: int = 8
     give_up_s: float = 30.0
     pause_s: float = 0.005
+    #: Called with every answer (None when none came): lets a test inspect each one.
+    observe: callable = None
+    #: Every answer seen, by HTTP status ("no answer" for a network error or timeout),
+    #: retries included: how many 5xx a fault produced.
+    answers: collections.Counter = field(default_factory=collections.Counter)
+    _answers_lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _workers: list = field(default_factory=list)
     _done: list = field(default_factory=list)
@@ -115,6 +121,10 @@ class Clients:
                                       headers={**headers, "Idempotency-Key": key})
             except requests.RequestException:
                 answer = None
+            with self._answers_lock:
+                self.answers[answer.status_code if answer is not None else "no answer"] += 1
+            if self.observe is not None:
+                self.observe(answer)
             if answer is not None and answer.status_code == 202:
                 self.history.record(phase="ok", key=key, run_id=answer.json()["id"])
                 self._done.append((key, body))
