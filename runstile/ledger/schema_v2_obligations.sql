@@ -60,9 +60,12 @@ CREATE INDEX obligations_attempting ON obligations (lease_expires_at)
 CREATE INDEX obligations_unsettled  ON obligations (run_id)
     WHERE state NOT IN ('delivered', 'discarded');
 
+-- The WHEN clause is a chain of = rather than an IN list: SQLite builds a temporary
+-- b-tree for an IN list each time a trigger fires, and this one fires for every event.
 CREATE TRIGGER obligations_from_events AFTER INSERT ON events
-WHEN new.type IN ('run.completed', 'run.failed', 'run.cancelled', 'run.interrupted',
-                  'run.paused', 'approval.requested')
+WHEN new.type = 'run.completed' OR new.type = 'run.failed' OR new.type = 'run.cancelled'
+     OR new.type = 'run.interrupted' OR new.type = 'run.paused'
+     OR new.type = 'approval.requested'
 BEGIN
     INSERT INTO obligations (id, run_id, profile_id, kind, type, url, snapshot, event_seq,
                              occurred_at, next_attempt_at, created_at, updated_at)
