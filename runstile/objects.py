@@ -15,8 +15,9 @@ def rfc3339(ts: float | None) -> str | None:
     """Unix seconds -> RFC 3339 UTC with milliseconds, e.g. 2026-11-29T18:31:30.123Z."""
     if ts is None:
         return None
-    moment = dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    # isoformat in C (~3x faster than strftime); milliseconds truncated, as before.
+    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat(
+        timespec="milliseconds")[:-6] + "Z"   # "+00:00" -> "Z"
 
 
 def parse_rfc3339(text: str) -> float:
