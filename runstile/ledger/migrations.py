@@ -8,10 +8,11 @@ exactly once: the losers wait on the lock and then find nothing left to do.
 from __future__ import annotations
 
 import sqlite3
+import time
 from importlib import resources
 from pathlib import Path
 
-from ..errors import LedgerCorrupt
+from ..errors import LedgerCorrupt, LedgerUnavailable
 from . import db
 
 
@@ -57,12 +58,7 @@ def migrate(path: Path, *, synchronous: str = "FULL", busy_timeout_ms: int = 500
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = db.connect(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms)
     try:
-        with db.ledger_errors():
-            # WAL lets readers proceed while one writer commits; it is a property of
-            # the file, so setting it once here is enough for every later connection.
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise LedgerCorrupt(f"could not switch the ledger to WAL (got {mode!r})")
+        _switch_to_wal(conn, busy_timeout_ms / 1000)
         start = current_version(conn)
         if start > LATEST_VERSION:
             raise LedgerCorrupt(
@@ -82,6 +78,28 @@ def migrate(path: Path, *, synchronous: str = "FULL", busy_timeout_ms: int = 500
         return start
     finally:
         conn.close()
+
+
+def _switch_to_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
+    """WAL lets readers proceed while one writer commits; it is a property of the file,
+    so setting it once here is enough for every later connection.
+
+    The switch needs the file to itself, and SQLite answers "database is locked" at once
+    (no busy handler) when another process is switching or migrating a fresh file at the
+    same moment — several processes starting together do exactly that — so retry until
+    the busy timeout instead of failing the start."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with db.ledger_errors():
+                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            break
+        except LedgerUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+    if str(mode).lower() != "wal":
+        raise LedgerCorrupt(f"could not switch the ledger to WAL (got {mode!r})")
 
 
 def is_current(conn: sqlite3.Connection) -> bool:
