@@ -67,6 +67,13 @@ def keys() -> None:
     """Create, list, revoke and rotate API keys."""
 
 
+def _check_profile(profile: str) -> None:
+    from .ledger import keys as ledger_keys
+    if not ledger_keys.valid_profile(profile):
+        raise click.BadParameter("1-64 letters, digits, '_', '.' or '-', starting with a "
+                                 "letter or digit", param_hint="--profile")
+
+
 def _key_json(key_id: str, secret: str, profile: str, role: str) -> dict:
     return {"key_id": key_id, "secret": secret, "profile": profile, "role": role}
 
@@ -80,9 +87,7 @@ def _key_json(key_id: str, secret: str, profile: str, role: str) -> dict:
 def keys_create(settings, profile, label, admin, as_json):
     """Create a key (and its profile if new); prints the secret once."""
     from .ledger import keys as ledger_keys
-    if not ledger_keys.valid_profile(profile):
-        raise click.BadParameter("1-64 letters, digits, '_', '.' or '-', starting with a "
-                                 "letter or digit", param_hint="--profile")
+    _check_profile(profile)
     if label is not None and len(label) > 200:
         raise click.BadParameter("at most 200 characters", param_hint="--label")
     role = "admin" if admin else "client"
@@ -165,12 +170,9 @@ def webhooks() -> None:
                    "RUNSTILE_WEBHOOK_ROTATION_GRACE_S.")
 def webhooks_secret(settings, profile, rotate):
     """Print the profile's signing secret alone on the last line (created if absent)."""
-    from .ledger import keys as ledger_keys
     from .ledger import webhook_secrets
     from .webhooks import new_secret
-    if not ledger_keys.valid_profile(profile):
-        raise click.BadParameter("1-64 letters, digits, '_', '.' or '-', starting with a "
-                                 "letter or digit", param_hint="--profile")
+    _check_profile(profile)
     secret = webhook_secrets.current(_ledger(settings), profile, new_secret, rotate=rotate,
                                      grace_s=settings.webhook_rotation_grace_s)
     if rotate:

@@ -112,3 +112,28 @@ def test_the_console_script_runs_as_a_process(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert last_json(result.stdout)["profile"] == "proc"
+
+
+def test_webhooks_secret_is_stable_until_rotated_and_refuses_a_bad_profile(tmp_path, capsys):
+    from runstile import webhooks
+    args = ["webhooks", "secret", "--profile", "acme", "--data-dir", str(tmp_path)]
+    code, first, _ = run(args, capsys)
+    assert code == 0
+    secret = first.strip().splitlines()[-1]
+    webhooks.secret_key(secret)  # whsec_ + base64 of at least 24 bytes
+    assert run(args, capsys)[1].strip().splitlines()[-1] == secret
+    code, rotated, err = run([*args, "--rotate"], capsys)
+    assert code == 0 and rotated.strip().splitlines()[-1] != secret and "keeps signing" in err
+    assert run(args, capsys)[1].strip().splitlines()[-1] == rotated.strip().splitlines()[-1]
+    assert run(["webhooks", "secret", "--profile", "no spaces!", "--data-dir",
+                str(tmp_path)], capsys)[0] == 2
+
+
+def test_deliveries_commands_validate_ids_and_report_unknown_ones(tmp_path, capsys):
+    base = ["--data-dir", str(tmp_path)]
+    assert run(["deliveries", "list", "run_123", *base], capsys)[0] == 2
+    assert run(["deliveries", "retry", "dlv_x", *base], capsys)[0] == 2
+    code, _, err = run(["deliveries", "discard", "msg_" + "0" * 32, *base], capsys)
+    assert code == 1 and "delivery_not_found" in err
+    code, _, err = run(["deliveries", "list", "run_" + "0" * 32, *base], capsys)
+    assert code == 1 and "run_not_found" in err
