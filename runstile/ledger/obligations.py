@@ -24,12 +24,6 @@ from dataclasses import dataclass
 from . import db, events
 from .db import NOW
 
-#: States in which an obligation still owes something.
-UNSETTLED = ("pending", "attempting", "parked")
-#: States a person may re-arm (retry) or discard from.
-REARMABLE = ("parked",)
-DISCARDABLE = ("pending", "parked")
-
 
 def new_id() -> str:
     return "msg_" + secrets.token_hex(16)
