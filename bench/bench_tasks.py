@@ -8,20 +8,9 @@ runs send no ``mark``, so their bodies do no I/O at all.
 
 from __future__ import annotations
 
-import os
-import time
-
 import runstile
 
-
-def mark_start(path: str, tag: str) -> None:
-    """Append one line ``"<tag> <unix time>"``; O_APPEND keeps lines whole across processes."""
-    line = f"{tag} {time.time():.6f}\n".encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+from bench.peers.counter import mark_start
 
 
 @runstile.task("bench.noop")

@@ -36,7 +36,8 @@ def count(path: str) -> int:
 
 
 def mark_start(path: str, tag: str) -> None:
-    """The latency probe's start line ``"<tag> <time.time()>"`` (as bench.bench_tasks)."""
+    """The latency probe's start line ``"<tag> <time.time()>"``, shared by every target's
+    task; O_APPEND keeps lines whole across processes."""
     line = f"{tag} {time.time():.6f}\n".encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

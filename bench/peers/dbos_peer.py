@@ -19,21 +19,13 @@ import os
 import signal
 import sys
 import threading
-import time
+
+from .counter import mark_start
 
 APP = "runstile-bench"
 VERSION = "bench-1"          # one application version for workers and clients
 QUEUE = "bench"
 WORKFLOW = "bench_noop"
-
-
-def mark_start(path: str, tag: str) -> None:
-    line = f"{tag} {time.time():.6f}\n".encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 def wal_engine(url: str):

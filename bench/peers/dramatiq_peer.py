@@ -10,10 +10,11 @@ latency probe only, one line with its start time in the file named by ``mark``).
 from __future__ import annotations
 
 import os
-import time
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
+
+from .counter import mark_start
 
 #: Counter of finished messages (the benchmark runs its own redis-server, so no prefix
 #: could collide, but the key is namespaced all the same).
@@ -22,15 +23,6 @@ DONE_KEY = "runstile-bench:dramatiq:done"
 broker = RedisBroker(url=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/15"),
                      namespace="runstile-bench")
 dramatiq.set_broker(broker)
-
-
-def mark_start(path: str, tag: str) -> None:
-    line = f"{tag} {time.time():.6f}\n".encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 @dramatiq.actor(queue_name="bench", actor_name="bench_noop")
