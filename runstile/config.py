@@ -23,7 +23,7 @@ from .errors import ConfigError
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 #: Crash points that code names (DESIGN §3 "crash tests two ways"); see crashpoints.py.
 CRASHPOINTS = ("after_admit_commit", "after_claim", "after_step_start", "after_body",
-               "after_finish", "mid_recovery", "after_delivery_send")
+               "after_finish", "mid_recovery", "after_delivery_send", "writer_after_commit")
 
 
 def _positive_int(raw: str) -> int:
@@ -58,6 +58,17 @@ def _synchronous(raw: str) -> str:
     value = raw.strip().upper()
     if value not in SYNCHRONOUS_LEVELS:
         raise ValueError(f"must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
+    return value
+
+
+#: Who commits the admissions of ``serve``'s web processes (web/writer.py).
+ADMISSION_WRITERS = ("process", "inline")
+
+
+def _admission_writer(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ADMISSION_WRITERS:
+        raise ValueError(f"must be one of {', '.join(ADMISSION_WRITERS)}")
     return value
 
 
@@ -203,6 +214,9 @@ class Settings:
     web_workers: int = 2
     #: Threads per web process (gthread; event streams hold one each).
     web_threads: int = 16
+    #: "process": one admission writer process commits every web process's admissions;
+    #: "inline": each web process commits its own (web/writer.py says why and when).
+    admission_writer: str = "process"
     #: Dramatiq worker processes.
     workers: int = 2
     #: Threads per Dramatiq worker process.
@@ -293,6 +307,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_PORT": (_port, "listen port"),
     "RUNSTILE_WEB_WORKERS": (_positive_int, "web processes"),
     "RUNSTILE_WEB_THREADS": (_positive_int, "threads per web process"),
+    "RUNSTILE_ADMISSION_WRITER": (_admission_writer, "who commits admissions"),
     "RUNSTILE_WORKERS": (_positive_int, "worker processes"),
     "RUNSTILE_THREADS": (_positive_int, "threads per worker process"),
     "RUNSTILE_CRASHPOINT": (_crashpoint, "test crash point"),

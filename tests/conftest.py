@@ -173,6 +173,15 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
+    def web_pids(self) -> list[int]:
+        """The gunicorn worker processes (children of serve other than the writer)."""
+        return [pid for pid in child_pids(self.proc.pid) if not is_writer(pid)]
+
+    def writer_pid(self) -> int | None:
+        """The admission writer process (web/writer.py), if one is running."""
+        pids = [pid for pid in child_pids(self.proc.pid) if is_writer(pid)]
+        return pids[0] if pids else None
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (master and workers) and reap the master."""
         kill_group(self.proc, sig)
@@ -180,6 +189,48 @@ class Server:
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def is_writer(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"runstile.web.writer" in f.read()
+    except OSError:
+        return False
+
+
+def writer_socket(pid: int) -> str:
+    """Where the admission writer ``pid`` listens (the path on its command line)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[3].decode()
+
+
+def writer_listening(pid: int) -> bool:
+    """The writer ``pid`` accepts connections (a file left by a dead one refuses them)."""
+    try:
+        path = writer_socket(pid)
+    except (OSError, IndexError):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def wait_for_writer(server: "Server", previous: int | None = None) -> int:
+    """The pid of ``server``'s admission writer once it listens (a new one when
+    ``previous`` is given)."""
+    def listening():
+        pid = server.writer_pid()
+        return pid if pid not in (None, previous) and writer_listening(pid) else None
+    return wait_until(listening, 30, 0.02, "the admission writer to listen")
 
 
 def kill_group(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
@@ -340,6 +391,15 @@ class Workers:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def web_pids(self) -> list[int]:
+        """The gunicorn worker processes (children of serve other than the writer)."""
+        return [pid for pid in child_pids(self.proc.pid) if not is_writer(pid)]
+
+    def writer_pid(self) -> int | None:
+        """The admission writer process (web/writer.py), if one is running."""
+        pids = [pid for pid in child_pids(self.proc.pid) if is_writer(pid)]
+        return pids[0] if pids else None
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (supervisor and workers) and reap it."""

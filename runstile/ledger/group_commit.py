@@ -33,13 +33,24 @@ from . import db
 MAX_BATCH = 64
 
 
-class _Unit:
-    __slots__ = ("work", "result", "error", "done")
+class Unit:
+    """One piece of work for a shared transaction, and what became of it."""
+
+    __slots__ = ("work", "result", "error")
 
     def __init__(self, work: Callable[[sqlite3.Connection], Any]) -> None:
         self.work = work
         self.result: Any = None
         self.error: BaseException | None = None
+
+
+class _Waiting(Unit):
+    """A unit whose request thread sleeps until the committer has settled it."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, work: Callable[[sqlite3.Connection], Any]) -> None:
+        super().__init__(work)
         #: A latch: held from birth, released once by the committer when the unit is
         #: settled; the waiting request thread acquires it.  (A bare lock, not an
         #: Event: one wake-up without a Condition's bookkeeping.)
@@ -47,19 +58,55 @@ class _Unit:
         self.done.acquire()
 
 
+class Batches:
+    """Settles batches of units on one connection of its own, reopened after a failure.
+
+    Used by the committer thread below and, one batch per wake-up, by the admission
+    writer process (web/writer.py).
+    """
+
+    def __init__(self, connect: Callable[[], sqlite3.Connection]) -> None:
+        self._connect = connect
+        self._conn: sqlite3.Connection | None = None
+
+    def settle(self, batch: list[Unit]) -> None:
+        """Commit ``batch`` in one transaction; every unit ends with a result or an
+        error.  Never raises: when the batch does not commit, nobody is acknowledged."""
+        try:
+            if self._conn is None:
+                self._conn = self._connect()
+            _commit(self._conn, batch)
+        except BaseException as exc:  # the batch did not commit: nobody was acknowledged
+            failure = exc if isinstance(exc, LedgerUnavailable) else LedgerUnavailable(
+                f"the ledger could not commit: {exc}")
+            for unit in batch:
+                unit.result, unit.error = None, unit.error or failure
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except sqlite3.Error:
+                    pass
+                self._conn = None  # reopen: the failure may have broken the connection
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
 class GroupCommitter:
     """One per (ledger, process); started lazily, so it is created after any fork."""
 
     def __init__(self, connect: Callable[[], sqlite3.Connection]) -> None:
         self._connect = connect
-        self._queue: queue.SimpleQueue[_Unit] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Waiting] = queue.SimpleQueue()
         self._pid: int | None = None
         self._start_lock = threading.Lock()
 
     def run(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``work(conn)`` inside a shared write transaction; return once committed."""
         self._ensure_thread()
-        unit = _Unit(work)
+        unit = _Waiting(work)
         self._queue.put(unit)
         unit.done.acquire()
         if unit.error is not None:
@@ -77,7 +124,7 @@ class GroupCommitter:
                 self._pid = os.getpid()
 
     def _loop(self) -> None:
-        conn = None
+        batches = Batches(self._connect)
         while True:
             batch = [self._queue.get()]
             while len(batch) < MAX_BATCH:
@@ -85,64 +132,51 @@ class GroupCommitter:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                if conn is None:
-                    conn = self._connect()
-                self._commit(conn, batch)
-            except BaseException as exc:  # the batch did not commit: nobody was acknowledged
-                failure = exc if isinstance(exc, LedgerUnavailable) else LedgerUnavailable(
-                    f"the ledger could not commit: {exc}")
-                for unit in batch:
-                    unit.result, unit.error = None, unit.error or failure
-                if conn is not None:
-                    try:
-                        conn.close()
-                    except sqlite3.Error:
-                        pass
-                    conn = None  # reopen: the failure may have broken the connection
+            batches.settle(batch)
             for unit in batch:
                 unit.done.release()
 
-    def _commit(self, conn: sqlite3.Connection, batch: list[_Unit]) -> None:
-        """All units in one transaction.  A unit may *refuse* (a RunstileError raised
-        before it writes anything, as ledger units promise) without disturbing the
-        others; anything else aborts the batch, which is then retried unit by unit."""
-        try:
-            with db.transaction(conn):
-                for run_many, units in _by_kind(batch):
-                    if run_many is not None:
-                        outcomes = run_many(conn, [unit.work for unit in units])
-                        for unit, (result, error) in zip(units, outcomes):
-                            unit.result, unit.error = result, error
-                        continue
-                    for unit in units:
-                        try:
-                            unit.result = unit.work(conn)
-                        except RunstileError as exc:
-                            if isinstance(exc, LedgerUnavailable):
-                                raise
-                            unit.error = exc
-        except LedgerUnavailable:
-            raise
-        except Exception:
-            # Something broke mid-write (a uniqueness race, a bug): nothing committed.
-            # Run each unit alone so that one bad unit cannot fail its neighbours.
-            for unit in batch:
-                unit.result, unit.error = None, None
-                try:
-                    with db.transaction(conn):
+
+def _commit(conn: sqlite3.Connection, batch: list[Unit]) -> None:
+    """All units in one transaction.  A unit may *refuse* (a RunstileError raised
+    before it writes anything, as ledger units promise) without disturbing the
+    others; anything else aborts the batch, which is then retried unit by unit."""
+    try:
+        with db.transaction(conn):
+            for run_many, units in _by_kind(batch):
+                if run_many is not None:
+                    outcomes = run_many(conn, [unit.work for unit in units])
+                    for unit, (result, error) in zip(units, outcomes):
+                        unit.result, unit.error = result, error
+                    continue
+                for unit in units:
+                    try:
                         unit.result = unit.work(conn)
-                except LedgerUnavailable:
-                    raise
-                except Exception as exc:
-                    unit.error = exc
+                    except RunstileError as exc:
+                        if isinstance(exc, LedgerUnavailable):
+                            raise
+                        unit.error = exc
+    except LedgerUnavailable:
+        raise
+    except Exception:
+        # Something broke mid-write (a uniqueness race, a bug): nothing committed.
+        # Run each unit alone so that one bad unit cannot fail its neighbours.
+        for unit in batch:
+            unit.result, unit.error = None, None
+            try:
+                with db.transaction(conn):
+                    unit.result = unit.work(conn)
+            except LedgerUnavailable:
+                raise
+            except Exception as exc:
+                unit.error = exc
 
 
-def _by_kind(batch: list[_Unit]) -> list[tuple[Any, list[_Unit]]]:
+def _by_kind(batch: list[Unit]) -> list[tuple[Any, list[Unit]]]:
     """The batch's units with the same ``run_many`` together (in order of first
     appearance, each group in batch order); units without one each on their own."""
-    groups: dict[Any, list[_Unit]] = {}
-    out: list[tuple[Any, list[_Unit]]] = []
+    groups: dict[Any, list[Unit]] = {}
+    out: list[tuple[Any, list[Unit]]] = []
     for unit in batch:
         run_many = getattr(unit.work, "run_many", None)
         if run_many is None:

@@ -83,7 +83,7 @@ def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
     at that moment, and is written together with them (:func:`reserve_many`); without
     one it runs in its own transaction on ``conn``.
     """
-    reserve = _Reservation(req, refusal, max_active_runs, enqueue)
+    reserve = Reservation(req, refusal, max_active_runs, enqueue)
     for _ in range(_RACE_RETRIES):
         try:
             if committer is not None:
@@ -186,7 +186,7 @@ def _decide(conn, req: AdmissionRequest, refusal, record=_UNREAD) -> Admitted | 
     return None
 
 
-class _Reservation:
+class Reservation:
     """One admission handed to the group committer: callable alone (its own reservation,
     :func:`_reserve`), or run together with the others of a batch (:func:`reserve_many`,
     through ``run_many``, which group_commit looks for)."""
@@ -217,7 +217,7 @@ _RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_k
 _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 
-def reserve_many(conn: sqlite3.Connection, reservations: list[_Reservation]) -> list:
+def reserve_many(conn: sqlite3.Connection, reservations: list[Reservation]) -> list:
     """The reservations of one group commit, in order, with their writes set-based.
 
     Returns ``(Admitted, None)`` or ``(None, refusal)`` per reservation; raises (aborting
@@ -245,7 +245,7 @@ def reserve_many(conn: sqlite3.Connection, reservations: list[_Reservation]) -> 
     bound: set = set()       # keys a replay bound to a client run id in this batch
     capacity: dict[str, int] = {}
     now = None
-    fresh: list[tuple[int, _Reservation, str]] = []
+    fresh: list[tuple[int, Reservation, str]] = []
     later: list[int] = []
     for i, res in enumerate(reservations):
         req = res.req
@@ -320,7 +320,7 @@ def _key_records(conn, reqs: list[AdmissionRequest]) -> dict:
     return records
 
 
-def _write_new_runs(conn, fresh: list[tuple[int, _Reservation, str]], now: float):
+def _write_new_runs(conn, fresh: list[tuple[int, Reservation, str]], now: float):
     """Rows for the new runs of a batch, one INSERT per table; yields (index, Admitted).
 
     ``now`` is the ledger clock read in this transaction: every row of the batch gets

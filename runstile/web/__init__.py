@@ -14,6 +14,7 @@ from ..config import Settings
 from ..ledger.db import ConnectionPool, connect
 from ..ledger.group_commit import GroupCommitter
 from ..workers import registry
+from .writer import WriterClient, max_frame
 
 
 @dataclass
@@ -21,26 +22,36 @@ class WebState:
     settings: Settings
     pool: ConnectionPool
     task_names: frozenset[str]
-    #: Admissions of this process share write transactions (ledger/group_commit.py).
-    committer: GroupCommitter
+    #: Admissions of this process share write transactions (ledger/group_commit.py),
+    #: or go to the node's admission writer (web/writer.py) when ``serve`` runs one.
+    committer: GroupCommitter | WriterClient
 
 
-def create_app(settings: Settings) -> Flask:
-    """The WSGI app.  Call after fork: it opens ledger connections lazily per thread."""
+def create_app(settings: Settings, *, writer_socket: str | None = None) -> Flask:
+    """The WSGI app.  Call after fork: it opens ledger connections lazily per thread.
+
+    ``writer_socket``: where ``serve``'s admission writer listens (web/writer.py); without
+    it the process commits its own admissions.
+    """
     from . import approvals, deliveries, errors, runs, service
 
     app = Flask("runstile")
     app.json.sort_keys = False
     app.json.compact = True
     tasks = registry.load(settings.tasks)
+    committer: GroupCommitter | WriterClient = GroupCommitter(lambda: connect(
+        settings.ledger_path, synchronous=settings.synchronous,
+        busy_timeout_ms=settings.busy_timeout_ms))
+    if writer_socket is not None:
+        committer = WriterClient(writer_socket, committer,
+                                 timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
+                                 max_frame=max_frame(settings))
     app.extensions["runstile"] = WebState(
         settings=settings,
         pool=ConnectionPool(settings.ledger_path, synchronous=settings.synchronous,
                             busy_timeout_ms=settings.busy_timeout_ms),
         task_names=frozenset(tasks),
-        committer=GroupCommitter(lambda: connect(
-            settings.ledger_path, synchronous=settings.synchronous,
-            busy_timeout_ms=settings.busy_timeout_ms)),
+        committer=committer,
     )
     errors.install(app)
     app.register_blueprint(runs.blueprint)

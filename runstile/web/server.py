@@ -14,6 +14,7 @@ import tempfile
 from gunicorn.app.base import BaseApplication
 
 from ..config import Settings
+from .writer import WriterProcess
 
 
 def _bind(settings: Settings) -> str:
@@ -22,8 +23,9 @@ def _bind(settings: Settings) -> str:
 
 
 class _Gunicorn(BaseApplication):
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, writer_socket: str | None) -> None:
         self.settings = settings
+        self.writer_socket = writer_socket
         super().__init__()
 
     def load_config(self) -> None:
@@ -49,7 +51,7 @@ class _Gunicorn(BaseApplication):
 
     def load(self):
         from . import create_app
-        return create_app(self.settings)
+        return create_app(self.settings, writer_socket=self.writer_socket)
 
 
 def _child_exit(server, worker) -> None:
@@ -68,7 +70,14 @@ def run_gunicorn(settings: Settings) -> None:
     """
     metrics_dir = tempfile.mkdtemp(prefix="runstile-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    writer = WriterProcess(settings) if settings.admission_writer == "process" else None
     try:
-        _Gunicorn(settings).run()
+        if writer is not None:
+            # Before the web processes: their first admissions find it listening.
+            writer.start()
+        _Gunicorn(settings, None if writer is None else writer.path).run()
     finally:
+        if writer is not None:
+            # After gunicorn returned: every web process has finished its requests.
+            writer.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -31,7 +31,7 @@ from runstile.ledger import migrations
 from runstile.workers.context import args_hash
 from tests.chaos.harness import Clients, History, check, quiesce, scaled
 from tests.chaos.test_chaos import CHAOS_TASKS, ENV, body_for, children, recover
-from tests.conftest import ROOT, Ledger, Server, Workers, fill, wait_until
+from tests.conftest import ROOT, Ledger, Server, Workers, fill, wait_for_writer, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -180,7 +180,8 @@ def test_a_full_disk_under_load_answers_503_loses_nothing_and_service_resumes_wi
                       observe=refusals).start()
     fills = scaled(2, 6)
     processes = wait_until(lambda: sorted(children(web.proc.pid)) if len(
-        children(web.proc.pid)) == 2 else None, 15, 0.05, "2 web processes")
+        web.web_pids()) == 2 and web.writer_pid() else None, 15, 0.05,
+        "2 web processes and the admission writer")
     processes += sorted(children(workers.proc.pid))
     try:
         for _ in range(fills):
@@ -240,16 +241,6 @@ def inject(pid: int, syscalls: str, errno: str, nth: str, trace_path) -> subproc
     return tracer
 
 
-def web_worker(web: Server, previous: int | None = None) -> int:
-    """The pid of the one gunicorn worker (a new one after ``previous`` died), ready."""
-    def one():
-        pids = [p for p in children(web.proc.pid) if p != previous]
-        return pids[0] if len(pids) == 1 else None
-    pid = wait_until(one, 30, 0.02, "gunicorn to start its web worker")
-    wait_until(web._ready, 30, 0.05, "the new web worker to answer /readyz")
-    return pid
-
-
 def missing_acknowledged(ledger: Ledger, history: History) -> list:
     """Acknowledged runs the ledger does not hold.  The acknowledgements are read first:
     each committed before its 202, so before the ledger is read."""
@@ -260,17 +251,18 @@ def missing_acknowledged(ledger: Ledger, history: History) -> list:
 
 def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_commit(
         ledger, tmp_path):
-    """strace makes the nth fsync/fdatasync or pwrite64 of the web process fail (EIO,
-    ENOSPC; or every call from the nth on) while clients admit: every refusal is a 503
-    with Retry-After, the process answers 202 again without a restart (a failed commit
-    must not leave its connection broken), and after it is SIGKILLed and restarted every
-    acknowledged run is in the ledger."""
+    """strace makes the nth fsync/fdatasync or pwrite64 of the admission writer (the
+    process that commits every admission) fail (EIO, ENOSPC; or every call from the nth
+    on) while clients admit: every refusal is a 503 with Retry-After, the process answers
+    202 again without a restart (a failed commit must not leave its connection broken),
+    and after it is SIGKILLed and restarted every acknowledged run is in the ledger."""
     started = time.monotonic()
     if subprocess.run(["strace", "-V"], capture_output=True).returncode != 0:
         pytest.skip("strace is not installed")
     log = tmp_path / "executions.log"
     key = ledger.key()
-    # One web process: a 202 after the fault comes from the process that met it.
+    # One web process, whose admissions the writer commits: a 202 after the fault comes
+    # from the process that met it.
     web = Server(ledger.data_dir, {**ENV, "RUNSTILE_BUSY_TIMEOUT_MS": "2000"},
                  web_workers=1).start()
     history, refusals = History(), Refusals()
@@ -283,7 +275,7 @@ def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_
     cases = [(name, n) for n in nths for name in INJECTIONS]
     injected = 0
     try:
-        pid = web_worker(web)
+        pid = wait_for_writer(web)
         for number, (name, nth) in enumerate(cases):
             syscalls, errno = INJECTIONS[name]
             trace = tmp_path / f"strace-{number}-{name}-{nth}.txt"
@@ -297,14 +289,14 @@ def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_
                 tracer.send_signal(signal.SIGINT)  # detach; the process goes on untraced
                 tracer.wait(30)
             injected += trace.read_text().count("INJECTED")
-            # The process that met the fault answers 202 again, without a restart.
+            # The process that met the fault commits again, without a restart.
             detached = time.monotonic()
             wait_until(lambda: refusals.last_202 > detached, 30, 0.02,
                        f"a 202 from the web process after {name} at call {nth}")
-            # Then restart it (SIGKILL; gunicorn forks a new one): the new process reads
+            # Then restart it (SIGKILL; serve starts a new one): the new process reads
             # the ledger from the files alone, and must find every acknowledged run.
             os.kill(pid, signal.SIGKILL)
-            pid = web_worker(web, previous=pid)
+            pid = wait_for_writer(web, previous=pid)
             missing = missing_acknowledged(ledger, history)
             assert missing == [], f"after {name} at call {nth}, lost: {missing[:5]}"
     finally:

@@ -36,7 +36,7 @@ def request(principal, *, key=None, run_id=None, task="echo", fp="a", derived=Fa
 
 
 def batch(conn, *reqs, refusal=None, max_active_runs=1000, enqueue=ENQUEUE):
-    reservations = [runs._Reservation(r, refusal, max_active_runs, enqueue) for r in reqs]
+    reservations = [runs.Reservation(r, refusal, max_active_runs, enqueue) for r in reqs]
     with db.transaction(conn):
         return runs.reserve_many(conn, reservations)
 
@@ -128,12 +128,12 @@ def test_a_batch_without_an_in_transaction_enqueue_leaves_its_dispatches_unsent(
         row[0] for row in conn.execute("SELECT id FROM dispatches ORDER BY id")]
 
 
-def test_the_group_committer_runs_waiting_admissions_through_one_reserve_many(ledger, tmp_path):
+def test_a_batch_of_waiting_admissions_runs_through_one_reserve_many(ledger, tmp_path):
     conn, who = ledger
-    committer = group_commit.GroupCommitter(lambda: db.connect(tmp_path / "ledger.db"))
-    units = [group_commit._Unit(runs._Reservation(request(who, key=k), None, 1000, ENQUEUE))
+    batches = group_commit.Batches(lambda: db.connect(tmp_path / "ledger.db"))
+    units = [group_commit.Unit(runs.Reservation(request(who, key=k), None, 1000, ENQUEUE))
              for k in ("x", "y", "x")]
-    committer._commit(db.connect(tmp_path / "ledger.db"), units)
+    batches.settle(units)
     assert [u.error for u in units] == [None, None, None]
     assert [u.result.replayed for u in units] == [False, False, True]
     assert units[0].result.run["id"] == units[2].result.run["id"]
