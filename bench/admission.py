@@ -1,7 +1,9 @@
 """The admission benchmark of issue 2: three targets, measured one after another.
 
-(a) runstile   the real ``runstile serve`` (gunicorn, 2 processes x 8 gthread threads),
-               POST /v1/runs with a bearer key and a fresh Idempotency-Key per request.
+(a) runstile   the real ``runstile serve`` (gunicorn, 2 processes x 8 gthread threads,
+               and the admission writer process it starts beside them: the server CPU
+               reported counts every process of the group), POST /v1/runs with a bearer
+               key and a fresh Idempotency-Key per request.
 (b) baseline   bench/baseline_app.py under the same gunicorn setup: parse the JSON body,
                one durable SQLite insert (WAL, synchronous=FULL, BEGIN IMMEDIATE).
 (c) raw        one process committing one row per transaction with the same settings:

@@ -70,6 +70,8 @@ _TICK_S = 0.5
 _READY_S = 10.0
 #: Restart delays after the writer died (seconds), the last one repeated.
 _RESTART_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+#: The least delay after the writer stopped because it was asked to (SIGTERM).
+_STOPPED_S = 2.0
 
 
 def max_frame(settings: Settings) -> int:
@@ -286,6 +288,8 @@ def serve(settings: Settings, path: str, lifeline: socket.socket) -> int:
                 _close(conn, selector)
     batches.close()
     listener.close()
+    with contextlib.suppress(OSError):
+        lifeline.sendall(b"s")  # a requested stop, not a crash (see WriterProcess._watch)
     return 0
 
 
@@ -369,6 +373,9 @@ class WriterProcess:
         self.directory = tempfile.mkdtemp(prefix="runstile-writer-")
         self.path = os.path.join(self.directory, "admissions.sock")
         self._stopping = threading.Event()
+        #: Guards _proc against stop(): a writer is started only while not stopping, and
+        #: stop() sees every writer that was started (none outlives serve).
+        self._guard = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._lifeline: socket.socket | None = None
         self._watcher: threading.Thread | None = None
@@ -381,9 +388,15 @@ class WriterProcess:
 
     def _spawn(self) -> bool:
         ours, theirs = socket.socketpair()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _ENTRY, self.path, str(theirs.fileno())],
-            stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),))
+        with self._guard:
+            if self._stopping.is_set():
+                ours.close()
+                theirs.close()
+                return False
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _ENTRY, self.path, str(theirs.fileno())],
+                stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),))
+            self._proc, self._lifeline = proc, ours
         theirs.close()
         try:
             proc.stdin.write(pickle.dumps(self.settings))
@@ -396,38 +409,40 @@ class WriterProcess:
         except OSError:
             ready = False
         ours.settimeout(None)
-        if not ready:
+        if not ready and not self._stopping.is_set():
             log.warning("the admission writer did not start; web processes commit their "
                         "own admissions until it does")
-        self._proc, self._lifeline = proc, ours
         return ready
 
     def _watch(self) -> None:
         restarts = 0
         while not self._stopping.is_set():
-            lifeline = self._lifeline
+            lifeline, said = self._lifeline, b""
             try:
-                while lifeline.recv(1):    # EOF: the writer is gone
-                    pass
+                while chunk := lifeline.recv(1):   # EOF: the writer is gone
+                    said = chunk
             except OSError:
                 pass
-            if self._stopping.is_set():
-                return
             with contextlib.suppress(OSError):
                 lifeline.close()
             with contextlib.suppress(Exception):
                 self._proc.wait(5)
+            # A writer that was asked to stop (SIGTERM, say from a signal to the whole
+            # process group) is most likely stopping with serve: give serve time to say
+            # so before starting another.
             delay = _RESTART_S[min(restarts, len(_RESTART_S) - 1)]
-            log.warning("the admission writer (pid %s) exited; restarting it in %.1fs "
-                        "(web processes commit their own admissions meanwhile)",
-                        self._proc.pid, delay)
+            if said == b"s":
+                delay = max(delay, _STOPPED_S)
             if self._stopping.wait(delay):
                 return
+            log.warning("the admission writer (pid %s) exited; restarting it (web "
+                        "processes commit their own admissions meanwhile)", self._proc.pid)
             restarts = 0 if self._spawn() else restarts + 1
 
     def stop(self) -> None:
-        self._stopping.set()
-        proc = self._proc
+        with self._guard:
+            self._stopping.set()
+            proc = self._proc
         if proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()

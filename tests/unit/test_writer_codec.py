@@ -1,0 +1,100 @@
+"""The admission writer's wire format (runstile/web/writer.py): what a web process sends
+is the reservation the writer runs, and what the writer answers is what runs.admit would
+have returned or raised in the web process itself."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from runstile import errors
+from runstile.ledger import group_commit, runs
+from runstile.ledger.keys import Principal
+from runstile.web import writer
+
+
+def reservation(**changes) -> runs.Reservation:
+    fields = dict(
+        principal=Principal("acme", "k1", "client"), key="ik-1", key_is_derived=False,
+        run_id=None, task="echo", input_json='{"text":"héllo \\u2028","n":[1,2.5,null]}',
+        session_key="s", trigger_id=None, metadata_json='{"a":"b"}',
+        callback_url="https://example.com/hook", fingerprint="f" * 64,
+        fingerprint_version=1)
+    fields.update(changes)
+    return runs.Reservation(runs.AdmissionRequest(**fields), None, 10_000, None)
+
+
+def embedded(conn, run, dispatch_id) -> None:  # stands for the writer's own enqueue
+    raise AssertionError("not called by the codec")
+
+
+def test_a_reservation_arrives_with_every_field_it_was_sent_with():
+    sent = reservation(key="legacy-run:run_" + "a" * 32, key_is_derived=True,
+                       run_id="run_" + "a" * 32)
+    sent.refusal = errors.InvalidCallbackUrl("private address", field="callback_url")
+    received = writer.decode_request(writer.encode_request(sent), None)
+    assert received.req == sent.req
+    assert received.max_active_runs == 10_000 and received.enqueue is None
+    assert type(received.refusal) is errors.InvalidCallbackUrl
+    assert received.refusal.message == "private address"
+    assert received.refusal.details == {"field": "callback_url"}
+
+
+def test_the_writer_enqueues_only_what_the_web_process_would_have_enqueued():
+    with_enqueue = reservation()
+    with_enqueue.enqueue = embedded
+    assert writer.decode_request(writer.encode_request(with_enqueue), embedded).enqueue \
+        is embedded
+    assert writer.decode_request(writer.encode_request(reservation()), embedded).enqueue is None
+
+
+def unit_with(result=None, error=None) -> group_commit.Unit:
+    unit = group_commit.Unit(None)
+    unit.result, unit.error = result, error
+    return unit
+
+
+def test_an_admitted_run_comes_back_as_the_same_admitted_run():
+    run = {"seq": 7, "id": "run_" + "b" * 32, "input": '{"x":1}', "created_at": 1764460800.123,
+           "result": None, "attempt": 1}
+    admitted = runs.Admitted(run, replayed=True, dispatch_id=None)
+    assert writer.decode_outcome(writer.encode_outcome(unit_with(admitted))) == admitted
+
+
+@pytest.mark.parametrize("error", [
+    errors.IdempotencyKeyConflict("this Idempotency-Key was used with a different request"),
+    errors.CapacityExceeded("this profile already has 3 unfinished runs (the limit)"),
+    errors.UnknownTask("no task named 'x' is registered", field="task"),
+    errors.LedgerUnavailable("the ledger is unavailable: disk I/O error"),
+])
+def test_a_refusal_is_raised_in_the_web_process_as_the_same_error(error):
+    with pytest.raises(type(error)) as raised:
+        writer.decode_outcome(writer.encode_outcome(unit_with(error=error)))
+    assert (raised.value.code, raised.value.status) == (error.code, error.status)
+    assert raised.value.message == error.message and raised.value.details == error.details
+
+
+def test_a_uniqueness_race_comes_back_as_an_integrity_error_for_admit_to_re_read():
+    race = sqlite3.IntegrityError("UNIQUE constraint failed: runs.id")
+    with pytest.raises(sqlite3.IntegrityError, match="UNIQUE"):
+        writer.decode_outcome(writer.encode_outcome(unit_with(error=race)))
+
+
+def test_a_bug_in_the_writer_is_a_server_error_not_a_refusal():
+    with pytest.raises(RuntimeError, match="KeyError"):
+        writer.decode_outcome(writer.encode_outcome(unit_with(error=KeyError("x"))))
+
+
+def test_an_error_class_this_version_does_not_know_is_still_a_runstile_error():
+    encoded = writer._dumps(["refused", "FromTheFuture", "something new", {}]).encode()
+    with pytest.raises(errors.RunstileError) as raised:
+        writer.decode_outcome(encoded)
+    assert raised.value.message == "something new"
+
+
+def test_an_unreadable_request_is_refused_by_the_decoder():
+    with pytest.raises((ValueError, TypeError)):
+        writer.decode_request(b'["too", "short"]', None)
+    with pytest.raises(ValueError):
+        writer.decode_request(b"\xff not json", None)
