@@ -33,7 +33,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None) -> Flask
     ``writer_socket``: where ``serve``'s admission writer listens (web/writer.py); without
     it the process commits its own admissions.
     """
-    from . import approvals, deliveries, errors, runs, service
+    from . import approvals, deliveries, errors, metrics, runs, service
 
     app = Flask("runstile")
     app.json.sort_keys = False
@@ -45,7 +45,8 @@ def create_app(settings: Settings, *, writer_socket: str | None = None) -> Flask
     if writer_socket is not None:
         committer = WriterClient(writer_socket, committer,
                                  timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
-                                 max_frame=max_frame(settings))
+                                 max_frame=max_frame(settings),
+                                 on_unreachable=metrics.writer_unreachable)
     app.extensions["runstile"] = WebState(
         settings=settings,
         pool=ConnectionPool(settings.ledger_path, synchronous=settings.synchronous,

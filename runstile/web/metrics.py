@@ -17,6 +17,11 @@ ADMISSION_SECONDS = Histogram(
     "runstile_admission_seconds", "Time to answer POST /v1/runs, including the commit",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 
+WRITER_UNREACHABLE = Counter(
+    "runstile_admission_writer_unreachable_total",
+    "Admissions a web process committed itself because serve's admission writer could "
+    "not be reached (not listening, or the request could not be sent whole)")
+
 
 #: This process's counter per outcome (labels() takes a lock and builds a key per call).
 _admissions_by_outcome: dict[str, Counter] = {}
@@ -28,6 +33,10 @@ def observe_admission(outcome: str, seconds: float) -> None:
         counter = _admissions_by_outcome[outcome] = ADMISSIONS.labels(outcome=outcome)
     counter.inc()
     ADMISSION_SECONDS.observe(seconds)
+
+
+def writer_unreachable() -> None:
+    WRITER_UNREACHABLE.inc()
 
 
 def render() -> tuple[bytes, str]:

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .. import crashpoints, dispatch, errors
 from ..config import Settings
@@ -172,11 +172,14 @@ class WriterClient:
     """
 
     def __init__(self, path: str, local: group_commit.GroupCommitter, *,
-                 timeout_s: float, max_frame: int) -> None:
+                 timeout_s: float, max_frame: int,
+                 on_unreachable: Callable[[], None] = lambda: None) -> None:
         self.path = path
         self.local = local
         self.timeout_s = timeout_s
         self.max_frame = max_frame
+        #: Called for each admission committed locally because the writer was unreachable.
+        self.on_unreachable = on_unreachable
         self._threads = threading.local()
 
     def run(self, work: Any) -> Any:
@@ -184,12 +187,14 @@ class WriterClient:
             return self.local.run(work)
         sock = self._socket()
         if sock is None:
+            self.on_unreachable()
             return self.local.run(work)
         try:
             sock.sendall(_frame(encode_request(work)), socket.MSG_NOSIGNAL)
         except OSError:
             # Not sent whole, so never acted on (the writer ignores a partial frame).
             self._drop()
+            self.on_unreachable()
             return self.local.run(work)
         try:
             (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))

@@ -14,6 +14,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
+
 
 from tests.conftest import Api, Server, wait_for_writer, wait_until, writer_socket
 
@@ -149,6 +151,8 @@ def test_a_web_process_commits_its_own_admissions_when_the_writer_cannot_be_reac
     finally:
         os.kill(writer, signal.SIGCONT)
     assert ledger.query("SELECT COUNT(*) FROM runs")[0][0] == 1
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    assert "runstile_admission_writer_unreachable_total 2.0" in metrics
 
 
 def test_inline_admission_runs_no_writer_process(make_server, ledger):
