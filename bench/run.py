@@ -450,7 +450,6 @@ def print_recovery_table(report: dict) -> None:
     rows = {row["target"]: row for row in report["targets"]}
     rs = rows.get("runstile")
     rs_rate = rs["items_per_s"] if rs and rs["measured"] else None
-    rs_wall = rs["wall_items_per_s"] if rs and rs["measured"] else None
     print()
     print(f"recovery benchmark — {cfg['orphans']} runs / workflows whose owner died, in "
           f"{cfg['runs']} runs / workflows; median of {cfg['repeats']} recoveries per target "

@@ -12,7 +12,7 @@ import secrets
 import sqlite3
 
 from ..errors import ApprovalAlreadyResolved, ApprovalNotPending
-from . import db, events, sessions
+from . import db, events
 from .db import NOW
 from .execution import Owner, owns
 from .runs import Enqueue, add_dispatch

@@ -8,7 +8,6 @@ import pytest
 import requests
 
 from runstile.cli import main as cli_main
-from tests.conftest import Api
 
 
 @pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic abc", "Bearer nope",

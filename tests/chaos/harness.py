@@ -22,7 +22,6 @@ after the system has quiesced and one recovery pass ran, and counts, Jepsen
 from __future__ import annotations
 
 import collections
-import json
 import os
 import random
 import sqlite3

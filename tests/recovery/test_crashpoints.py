@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from runstile.ledger import migrations
-from tests.conftest import Api, Ledger, ROOT, System, wait_for_status, wait_until
+from tests.conftest import Api, Ledger, ROOT, System, wait_for_status
 from tests.recovery.test_recovery import crashed_run
 
 #: point -> task -> (final status, attempt, starts logged, side-effect calls logged)

@@ -11,8 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-import requests
 
 from runstile.config import Settings
 from runstile.errors import LedgerUnavailable

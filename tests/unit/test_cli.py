@@ -7,7 +7,6 @@ import sqlite3
 import subprocess
 import sys
 
-import pytest
 
 from runstile.cli import main
 

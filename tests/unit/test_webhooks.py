@@ -3,7 +3,6 @@ independent ``standardwebhooks`` package, the SSRF guard, redirects, timeouts, c
 
 from __future__ import annotations
 
-import http.server
 import json
 import shutil
 import socket

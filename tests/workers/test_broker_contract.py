@@ -36,7 +36,7 @@ from runstile import dispatch
 from runstile.config import Settings
 from runstile.ledger import broker_queue, db
 from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, Workers,
-                            _group_alive, broker_available, free_port, wait_until)
+                            broker_available, free_port, wait_until)
 from tests.receiver import Receiver
 
 TASKS = "tests.workers.exec_tasks,runstile.demo"

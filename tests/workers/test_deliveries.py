@@ -10,7 +10,6 @@ import json
 import subprocess
 import time
 
-import pytest
 import requests
 from standardwebhooks.webhooks import Webhook
 

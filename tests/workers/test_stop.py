@@ -26,7 +26,6 @@ def test_a_queued_run_is_cancelled_at_once_and_never_starts(make_server, ledger,
     assert again.status_code == 200 and again.json()["status"] == "cancelled"
     assert events_of(api, rid) == ["run.queued", "run.cancelled"]
     # Its message is still in the broker; a worker's claim must lose.
-    from runstile.config import Settings
     from runstile.ledger import execution
     conn = ledger.connect()
     claim = execution.claim(conn, rid, execution.Owner("n", 1, 1, 1), lease_s=5,
