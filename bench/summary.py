@@ -75,6 +75,24 @@ def _best(rows: dict, names: tuple[str, ...], key: str):
     return name, ok[name]
 
 
+def _against_dbos(rows: dict, key: str, goal: float):
+    """runstile's ``key`` rate judged against the faster valid DBOS variant:
+    (runstile's rate or None, that DBOS target's name, ratio, verdict, met)."""
+    rs = rows.get("runstile")
+    rs_rate = rs[key] if rs and rs["measured"] and rs["valid"] else None
+    best_name, best = _best(rows, ("dbos", "dbos-wal"), key)
+    why = None
+    if rs is None or not rs["measured"]:
+        why = "runstile: " + ((rs or {}).get("problem") or "not run")
+    elif not rs["valid"]:
+        why = f"runstile run invalid: {rs['problem']}"
+    elif best is None:
+        why = "no valid DBOS measurement"
+    ratio = round(rs_rate / best, 3) if rs_rate and best else None
+    verdict, met = _verdict(ratio, goal, why)
+    return rs_rate, best_name, ratio, verdict, met
+
+
 def build(reports: dict[str, dict]) -> dict:
     rows: list[dict] = []
     targets: list[dict] = []
@@ -125,18 +143,8 @@ def build(reports: dict[str, dict]) -> dict:
                         "met": False})
     else:
         erows = {r["target"]: r for r in ex["targets"]}
-        rs = erows.get("runstile")
-        rs_rate = rs["runs_per_s"] if rs and rs["measured"] and rs["valid"] else None
-        best_name, best = _best(erows, ("dbos", "dbos-wal"), "runs_per_s")
-        why = None
-        if rs is None or not rs["measured"]:
-            why = "runstile: " + ((rs or {}).get("problem") or "not run")
-        elif not rs["valid"]:
-            why = f"runstile run invalid: {rs['problem']}"
-        elif best is None:
-            why = "no valid DBOS measurement"
-        ratio = round(rs_rate / best, 3) if rs_rate and best else None
-        verdict, met = _verdict(ratio, E2E_TARGET, why)
+        rs_rate, best_name, ratio, verdict, met = _against_dbos(erows, "runs_per_s",
+                                                                E2E_TARGET)
         sec = "end to end (no-op runs, 2 x 4 workers)"
         for name, label in EXEC_NAMES.items():
             r = erows.get(name)
@@ -167,18 +175,8 @@ def build(reports: dict[str, dict]) -> dict:
                         "verdict": "not measured (section not run)", "met": False})
     else:
         rrows = {r["target"]: r for r in rec["targets"]}
-        rs = rrows.get("runstile")
-        rs_rate = rs["items_per_s"] if rs and rs["measured"] and rs["valid"] else None
-        best_name, best = _best(rrows, ("dbos", "dbos-wal"), "items_per_s")
-        why = None
-        if rs is None or not rs["measured"]:
-            why = "runstile: " + ((rs or {}).get("problem") or "not run")
-        elif not rs["valid"]:
-            why = f"runstile run invalid: {rs['problem']}"
-        elif best is None:
-            why = "no valid DBOS measurement"
-        ratio = round(rs_rate / best, 3) if rs_rate and best else None
-        verdict, met = _verdict(ratio, RECOVERY_TARGET, why)
+        rs_rate, best_name, ratio, verdict, met = _against_dbos(rrows, "items_per_s",
+                                                                RECOVERY_TARGET)
         cfg = rec["config"]
         sec = f"recovery ({cfg['orphans']} of {cfg['runs']} items pending)"
         for name, label in RECOVERY_NAMES.items():
