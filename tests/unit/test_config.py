@@ -35,6 +35,12 @@ def test_environment_values_are_parsed():
     assert s.broker_url == "sqlite"
 
 
+def test_the_admission_writer_is_a_process_unless_inline_is_asked_for():
+    assert Settings.from_env({}).admission_writer == "process"
+    assert Settings.from_env({"RUNSTILE_ADMISSION_WRITER": " Inline "}).admission_writer \
+        == "inline"
+
+
 def test_flags_override_the_environment():
     s = Settings.from_env({"RUNSTILE_PORT": "9000"}, port=9100)
     assert s.port == 9100
@@ -49,7 +55,8 @@ def test_flags_override_the_environment():
     ("RUNSTILE_RUN_RETENTION_S", "-5"), ("RUNSTILE_MAX_BODY_BYTES", "1.5"),
     ("RUNSTILE_HOST", " "), ("RUNSTILE_DATA_DIR", ""),
     ("RUNSTILE_BROKER_URL", "redis://"), ("RUNSTILE_BROKER_URL", "redis://h:99999"),
-    ("RUNSTILE_BROKER_URL", "amqp://h;redis://h"),
+    ("RUNSTILE_BROKER_URL", "amqp://h;redis://h"), ("RUNSTILE_ADMISSION_WRITER", "thread"),
+    ("RUNSTILE_ADMISSION_WRITER", ""),
 ])
 def test_an_invalid_value_is_refused_naming_the_variable(name, value):
     with pytest.raises(ConfigError) as info:
