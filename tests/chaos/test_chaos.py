@@ -97,8 +97,10 @@ def test_web_processes_killed_at_the_crash_point_and_at_random_lose_and_duplicat
     wanted = scaled(25, 150)
     deadline = time.monotonic() + scaled(120, 420)
     try:
-        # Kill a random web worker now and then; the crash point kills others right after
-        # their admission committed, before the answer.  gunicorn replaces each.
+        # Kill a random child of serve now and then -- a web worker or the admission
+        # writer, whichever holds admissions at that moment; the crash point kills web
+        # workers right after their admission committed, before the answer.  gunicorn
+        # replaces a worker, serve its writer.
         while web.log().count("was sent SIGKILL") < wanted and time.monotonic() < deadline:
             time.sleep(random.uniform(0.1, 0.5))
             pids = children(web.proc.pid)
@@ -110,9 +112,13 @@ def test_web_processes_killed_at_the_crash_point_and_at_random_lose_and_duplicat
     finally:
         clients.stop()
     kills = web.log().count("was sent SIGKILL")
+    writer_kills = web.log().count("the admission writer (pid")
     try:
         assert kills >= wanted, f"only {kills} web kills"
-        settle_and_check(ledger, history, log, "web SIGKILL (crash point + random)", kills)
+        assert writer_kills >= 1, "the admission writer was never killed"
+        settle_and_check(ledger, history, log, f"web SIGKILL (crash point + random), of "
+                         f"which {writer_kills} of the admission writer",
+                         kills + writer_kills)
     finally:
         web.kill()
         workers.kill()

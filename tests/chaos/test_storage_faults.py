@@ -263,7 +263,11 @@ def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_
     key = ledger.key()
     # One web process, whose admissions the writer commits: a 202 after the fault comes
     # from the process that met it.
-    web = Server(ledger.data_dir, {**ENV, "RUNSTILE_BUSY_TIMEOUT_MS": "2000"},
+    # No workers run meanwhile: runs pile up queued, more than the default cap of 10,000
+    # in the full profile (a refused admission commits nothing, so it could not meet
+    # the fault being waited for).
+    web = Server(ledger.data_dir, {**ENV, "RUNSTILE_BUSY_TIMEOUT_MS": "2000",
+                                   "RUNSTILE_MAX_ACTIVE_RUNS": "1000000"},
                  web_workers=1).start()
     history, refusals = History(), Refusals()
     clients = Clients(web.url, key.secret, history, body_for(log), threads=8,
