@@ -178,9 +178,12 @@ RERUNS = ("run.requeued", "run.resumed", "approval.resolved")
 
 def check(ledger_path: Path, history: History, execution_log: Path) -> Report:
     report = Report()
-    conn = sqlite3.connect(f"file:{ledger_path}?mode=ro", uri=True)
+    conn = sqlite3.connect(f"file:{ledger_path}?mode=ro", uri=True, isolation_level=None)
     conn.row_factory = sqlite3.Row
     try:
+        # One read transaction: every table from the same snapshot, even if something
+        # still runs (a run read as queued must not show its later events).
+        conn.execute("BEGIN")
         keys = {r["idempotency_key"]: r["run_id"] for r in conn.execute(
             "SELECT idempotency_key, run_id FROM idempotency_keys")}
         runs = {r["id"]: dict(r) for r in conn.execute("SELECT * FROM runs")}

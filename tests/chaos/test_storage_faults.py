@@ -263,14 +263,15 @@ def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_
     key = ledger.key()
     # One web process, whose admissions the writer commits: a 202 after the fault comes
     # from the process that met it.
-    # No workers run meanwhile: runs pile up queued, more than the default cap of 10,000
-    # in the full profile (a refused admission commits nothing, so it could not meet
-    # the fault being waited for).
-    web = Server(ledger.data_dir, {**ENV, "RUNSTILE_BUSY_TIMEOUT_MS": "2000",
-                                   "RUNSTILE_MAX_ACTIVE_RUNS": "1000000"},
+    # No workers run meanwhile, so runs pile up queued.  The clients pause between
+    # requests: unthrottled, the admission writer takes 30,000+ runs over the full
+    # profile, more than the default cap of 10,000 (a refused admission commits nothing,
+    # so it could never meet the fault waited for) and more than one worker process
+    # settles before the checker's deadline.
+    web = Server(ledger.data_dir, {**ENV, "RUNSTILE_BUSY_TIMEOUT_MS": "2000"},
                  web_workers=1).start()
     history, refusals = History(), Refusals()
-    clients = Clients(web.url, key.secret, history, body_for(log), threads=8,
+    clients = Clients(web.url, key.secret, history, body_for(log), threads=8, pause_s=0.25,
                       observe=refusals).start()
     # "n": the nth call fails once; "n+": every call from the nth on fails (a disk that
     # keeps failing) until strace detaches a moment later.
