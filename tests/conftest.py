@@ -158,6 +158,7 @@ class Server:
             [*RUNSTILE, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port),
              "--web-workers", str(self.web_workers)],
             env=env, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+        STARTED.append(self.proc)
         log.close()
         wait_until(self._ready, 30, 0.05, f"runstile serve on {self.url}")
         return self
@@ -260,6 +261,24 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+#: Every process group Server, System and Workers started, in order of starting.
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Kill what a test started and left running: a test that fails before its own
+    cleanup (say, in the middle of a fault-injection loop) must not leave servers, their
+    admission writers or workers behind for the rest of the session.  Module-scoped
+    servers start before this snapshot, so they are left to their own fixtures."""
+    first = len(STARTED)
+    yield
+    for proc in STARTED[first:]:
+        if proc.poll() is None or _group_alive(proc.pid):
+            kill_group(proc)
+    del STARTED[first:]
+
+
 @pytest.fixture
 def make_server(ledger):
     servers: list[Server] = []
@@ -355,6 +374,7 @@ class System(Server):
              "--web-workers", str(self.web_workers), "--workers", str(self.workers),
              "--threads", str(self.threads), *task_args],
             env=env, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+        STARTED.append(self.proc)
         log.close()
         wait_until(self._ready, 30, 0.05, f"runstile up on {self.url}")
         return self
@@ -378,8 +398,9 @@ class Workers:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [*RUNSTILE, "worker", "--data-dir", str(self.data_dir), "--workers",
-             str(self.workers), "--threads", str(self.threads)], env=env, stdout=log, stderr=log, start_new_session=True,
-            cwd=ROOT)
+             str(self.workers), "--threads", str(self.threads)], env=env, stdout=log,
+            stderr=log, start_new_session=True, cwd=ROOT)
+        STARTED.append(self.proc)
         log.close()
         wait_until(self._up, 30, 0.05, "runstile worker to boot")
         return self
