@@ -10,10 +10,12 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,17 @@ def _new_ledger(folder: Path) -> Ledger:
     return Ledger(data_dir)
 
 
+def bare_ledger(path: Path) -> sqlite3.Connection:
+    """A migrated ledger at ``path`` holding profile 'p' and its client key 'key_1' and
+    nothing else, for tests that write rows by hand (the caller closes it)."""
+    migrations.migrate(path)
+    conn = db.connect(path)
+    conn.execute("INSERT INTO profiles (id, created_at) VALUES ('p', 0)")
+    conn.execute("INSERT INTO api_keys (id, profile_id, role, secret_hash, created_at) "
+                 "VALUES ('key_1', 'p', 'client', 'h', 0)")
+    return conn
+
+
 @pytest.fixture
 def ledger(tmp_path) -> Ledger:
     """A fresh ledger for this test alone."""
@@ -144,6 +157,8 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    #: Started once this answers 200 (a subclass may wait for less than readiness).
+    ready_path: ClassVar[str] = "/readyz"
 
     @property
     def url(self) -> str:
@@ -167,7 +182,7 @@ class Server:
         if self.proc.poll() is not None:
             raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
         try:
-            return requests.get(self.url + "/readyz", timeout=1).status_code == 200
+            return requests.get(self.url + self.ready_path, timeout=1).status_code == 200
         except requests.RequestException:
             return False
 

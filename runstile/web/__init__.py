@@ -46,7 +46,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None) -> Flask
         committer = WriterClient(writer_socket, committer,
                                  timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
                                  max_frame=max_frame(settings),
-                                 on_unreachable=metrics.writer_unreachable)
+                                 on_unreachable=metrics.WRITER_UNREACHABLE.inc)
     app.extensions["runstile"] = WebState(
         settings=settings,
         pool=ConnectionPool(settings.ledger_path, synchronous=settings.synchronous,

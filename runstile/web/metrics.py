@@ -35,10 +35,6 @@ def observe_admission(outcome: str, seconds: float) -> None:
     ADMISSION_SECONDS.observe(seconds)
 
 
-def writer_unreachable() -> None:
-    WRITER_UNREACHABLE.inc()
-
-
 def render() -> tuple[bytes, str]:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()

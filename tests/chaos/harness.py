@@ -266,3 +266,17 @@ def quiesce(ledger_path: Path, timeout_s: float = 120) -> None:
         if busy == 0:
             return
         time.sleep(0.2)
+
+
+def write_table(request, title: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    """Print a module's figures as one Markdown table at the end of the session's output
+    (docs/guarantees.md quotes the full profile's)."""
+    if not rows:
+        return
+    write = request.config.pluginmanager.get_plugin("terminalreporter").write_line
+    write("")
+    write(f"{title}, chaos profile: {PROFILE}")
+    write("| " + " | ".join(columns) + " |")
+    write("|" + "---|" * len(columns))
+    for row in rows:
+        write("| " + " | ".join(str(x) for x in row) + " |")

@@ -21,8 +21,8 @@ import requests
 from runstile import dispatch
 from runstile.ledger import broker_queue, db
 from tests.chaos.chaos_tasks import TASKS
-from tests.chaos.harness import Clients, History, check, quiesce, scaled
-from tests.conftest import ROOT, Server, Workers, wait_until
+from tests.chaos.harness import Clients, History, check, quiesce, scaled, write_table
+from tests.conftest import ROOT, Server, Workers, child_pids, wait_until
 from tests.workers.test_broker_contract import OwnRedis
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -33,11 +33,6 @@ ENV = {"RUNSTILE_TASKS": CHAOS_TASKS, "RUNSTILE_LEASE_S": "2", "RUNSTILE_HEARTBE
        "RUNSTILE_RECOVERY_BUDGET": "1000"}
 #: Figures of each scenario, printed as one table at the end of the session.
 TABLE: list[tuple] = []
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 def recover(ledger) -> None:
@@ -74,15 +69,9 @@ def settle_and_check(ledger, history, log, scenario: str, kills: int):
 def print_table(request):
     """The figures table (docs/guarantees.md quotes the full profile's)."""
     yield
-    if TABLE:
-        write = request.config.pluginmanager.get_plugin("terminalreporter").write_line
-        write("")
-        write(f"chaos profile: {os.environ.get('RUNSTILE_CHAOS_PROFILE', 'full')}")
-        write("| scenario | kills | operations | acknowledged | lost | duplicated | "
-              "stranded | unexpected | lifecycle |")
-        write("|---|---|---|---|---|---|---|---|---|")
-        for row in TABLE:
-            write("| " + " | ".join(str(x) for x in row) + " |")
+    write_table(request, "processes killed", ("scenario", "kills", "operations",
+                "acknowledged", "lost", "duplicated", "stranded", "unexpected", "lifecycle"),
+                TABLE)
 
 
 def test_web_processes_killed_at_the_crash_point_and_at_random_lose_and_duplicate_nothing(
@@ -103,7 +92,7 @@ def test_web_processes_killed_at_the_crash_point_and_at_random_lose_and_duplicat
         # replaces a worker, serve its writer.
         while web.log().count("was sent SIGKILL") < wanted and time.monotonic() < deadline:
             time.sleep(random.uniform(0.1, 0.5))
-            pids = children(web.proc.pid)
+            pids = child_pids(web.proc.pid)
             if pids:
                 try:
                     os.kill(random.choice(pids), signal.SIGKILL)
@@ -156,7 +145,7 @@ def test_worker_processes_killed_mid_run_with_duplicate_deliveries_lose_and_dupl
     try:
         while kills < wanted and time.monotonic() < deadline:
             time.sleep(random.uniform(0.3, 1.5))
-            pids = children(workers.proc.pid)
+            pids = child_pids(workers.proc.pid)
             if not pids:
                 continue
             os.kill(random.choice(pids), signal.SIGKILL)  # a body is likely mid-run
@@ -197,7 +186,7 @@ def test_a_zombie_worker_cannot_start_a_step_or_record_an_outcome_after_its_leas
         rid = answer.json()["id"]
         wait_until(lambda: log.exists() and f"step {rid} s1" in log.read_text(), 30, 0.02,
                    "the body to be mid-run")
-        [pid] = children(zombie.proc.pid)
+        [pid] = child_pids(zombie.proc.pid)
         os.kill(pid, signal.SIGSTOP)
         stopped_at = log.read_text().count(f"step {rid}")
         # Another node's recovery finds the lease expired and re-queues the run

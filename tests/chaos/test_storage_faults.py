@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,10 @@ import requests
 
 from runstile.ledger import migrations
 from runstile.workers.context import args_hash
-from tests.chaos.harness import Clients, History, check, quiesce, scaled
-from tests.chaos.test_chaos import CHAOS_TASKS, ENV, body_for, children, recover
-from tests.conftest import ROOT, Ledger, Server, Workers, fill, wait_for_writer, wait_until
+from tests.chaos.harness import Clients, History, check, quiesce, scaled, write_table
+from tests.chaos.test_chaos import CHAOS_TASKS, ENV, body_for, recover
+from tests.conftest import (ROOT, Ledger, Server, Workers, child_pids, fill, wait_for_writer,
+                            wait_until)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -44,14 +46,7 @@ COLUMNS = ("scenario", "faults", "operations", "acknowledged", "503", "other 5xx
 @pytest.fixture(scope="module", autouse=True)
 def print_figures(request):
     yield
-    if FIGURES:
-        write = request.config.pluginmanager.get_plugin("terminalreporter").write_line
-        write("")
-        write(f"storage faults, chaos profile: {os.environ.get('RUNSTILE_CHAOS_PROFILE', 'full')}")
-        write("| " + " | ".join(COLUMNS) + " |")
-        write("|" + "---|" * len(COLUMNS))
-        for row in FIGURES:
-            write("| " + " | ".join(str(x) for x in row) + " |")
+    write_table(request, "storage faults", COLUMNS, FIGURES)
 
 
 def padded(make_body):
@@ -179,10 +174,10 @@ def test_a_full_disk_under_load_answers_503_loses_nothing_and_service_resumes_wi
     clients = Clients(web.url, key.secret, history, padded(body_for(log)), threads=8,
                       observe=refusals).start()
     fills = scaled(2, 6)
-    processes = wait_until(lambda: sorted(children(web.proc.pid)) if len(
+    processes = wait_until(lambda: sorted(child_pids(web.proc.pid)) if len(
         web.web_pids()) == 2 and web.writer_pid() else None, 15, 0.05,
         "2 web processes and the admission writer")
-    processes += sorted(children(workers.proc.pid))
+    processes += sorted(child_pids(workers.proc.pid))
     try:
         for _ in range(fills):
             acknowledged = len(history.by_phase("ok"))
@@ -203,7 +198,7 @@ def test_a_full_disk_under_load_answers_503_loses_nothing_and_service_resumes_wi
         clients.stop()
     try:
         # No process died or was replaced meanwhile.
-        assert sorted(children(web.proc.pid)) + sorted(children(workers.proc.pid)) == processes
+        assert sorted(child_pids(web.proc.pid)) + sorted(child_pids(workers.proc.pid)) == processes
         settle(ledger, history, log, clients, refusals, "disk full under load (tmpfs 16 MiB)",
                fills, started)
     finally:
@@ -389,13 +384,7 @@ def copy_of(finished: Finished, folder: Path) -> Ledger:
 class Serving(Server):
     """A `runstile serve` taken as started once it answers at all, ready or not."""
 
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-        try:
-            return requests.get(self.url + "/healthz", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
+    ready_path: ClassVar[str] = "/healthz"
 
 
 def assert_fails_closed(done: subprocess.CompletedProcess, *words: str) -> None:

@@ -9,20 +9,15 @@ import sqlite3
 
 import pytest
 
-from runstile.ledger import db, migrations
 from runstile.ledger.states import NON_TERMINAL, TERMINAL
+from tests.conftest import bare_ledger
 
 STATUSES = sorted(s.value for s in NON_TERMINAL) + sorted(s.value for s in TERMINAL)
 
 
 @pytest.fixture
 def conn(tmp_path):
-    path = tmp_path / "ledger.db"
-    migrations.migrate(path)
-    conn = db.connect(path)
-    conn.execute("INSERT INTO profiles (id, created_at) VALUES ('p', 0)")
-    conn.execute("INSERT INTO api_keys (id, profile_id, role, secret_hash, created_at) "
-                 "VALUES ('key_1', 'p', 'client', 'h', 0)")
+    conn = bare_ledger(tmp_path / "ledger.db")
     yield conn
     conn.close()
 

@@ -12,6 +12,7 @@ from runstile.fingerprint import fingerprint
 from runstile.ledger import db, migrations
 from runstile.ledger.states import RunStatus, TERMINAL, can_transition
 from runstile.netguard import callback_refusal
+from tests.conftest import bare_ledger
 
 
 def _migrate_together(path: str, barrier, results) -> None:
@@ -101,12 +102,7 @@ def test_a_held_write_lock_becomes_ledger_unavailable(tmp_path):
 
 
 def test_a_terminal_run_never_changes_status_even_through_raw_sql(tmp_path):
-    path = tmp_path / "ledger.db"
-    migrations.migrate(path)
-    conn = db.connect(path)
-    conn.execute("INSERT INTO profiles (id, created_at) VALUES ('p', 0)")
-    conn.execute("INSERT INTO api_keys (id, profile_id, role, secret_hash, created_at) "
-                 "VALUES ('key_1', 'p', 'client', 'h', 0)")
+    conn = bare_ledger(tmp_path / "ledger.db")
     conn.execute("INSERT INTO runs (id, profile_id, key_id, task, input, fingerprint, "
                  "fingerprint_version, status, created_at, updated_at) "
                  "VALUES ('r', 'p', 'key_1', 't', 'null', 'f', 1, 'queued', 0, 0)")
