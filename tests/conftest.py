@@ -421,21 +421,15 @@ class Workers:
         return self
 
     def _up(self) -> bool:
+        """Every worker process consumes: each logs "worker up" once its Dramatiq worker
+        started.  (The supervisor's "runstile workers up" comes as soon as it has
+        spawned them, before they consume.)"""
         if self.proc.poll() is not None:
             raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
-        return "runstile workers up" in self.log()
+        return self.log().count("] worker up: node") >= self.workers
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
-
-    def web_pids(self) -> list[int]:
-        """The gunicorn worker processes (children of serve other than the writer)."""
-        return [pid for pid in child_pids(self.proc.pid) if not is_writer(pid)]
-
-    def writer_pid(self) -> int | None:
-        """The admission writer process (web/writer.py), if one is running."""
-        pids = [pid for pid in child_pids(self.proc.pid) if is_writer(pid)]
-        return pids[0] if pids else None
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (supervisor and workers) and reap it."""

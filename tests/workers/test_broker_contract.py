@@ -26,7 +26,9 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -452,14 +454,22 @@ def starts_by_run(path: Path) -> collections.Counter:
     return collections.Counter(line.split()[1] for line in lines if line.startswith("start "))
 
 
-def submit(api: Api, log: Path, count: int) -> list[str]:
-    ids = []
-    for i in range(count):
-        response = api.post_run({"task": "t.log_start", "input": {"log": str(log), "n": i}})
+def submit(api: Api, log: Path, count: int, *, clients: int = 1) -> list[str]:
+    """``count`` runs of t.log_start, from ``clients`` concurrent clients; their ids in
+    submission order."""
+    local = threading.local()
+
+    def one(i: int) -> str:
+        client = getattr(local, "api", None)
+        if client is None:
+            client = local.api = Api(api.server, api.key, api.ledger)
+        response = client.post_run({"task": "t.log_start", "input": {"log": str(log), "n": i}})
         assert response.status_code == 202, response.text
         assert response.json()["status"] in ("queued", "running", "completed")
-        ids.append(response.json()["id"])
-    return ids
+        return response.json()["id"]
+
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(one, range(count)))
 
 
 def statuses(ledger: Ledger) -> dict:
@@ -497,7 +507,10 @@ def recover(deployment: Deployment, env: dict) -> dict:
 def test_500_runs_on_2_worker_processes_complete_with_one_start_each(deploy, ledger, tmp_path):
     deployment = deploy(STEADY)
     log = tmp_path / "executions.log"
-    ids = submit(deployment.api, log, 500)
+    # Eight clients, so that work is waiting while a consumer is busy: one client at a
+    # time hands each run to whichever consumer polls first, and on Redis the busy one
+    # (the other backs off while its queue looks empty) can take all 500.
+    ids = submit(deployment.api, log, 500, clients=8)
     wait_completed(ledger, 500, timeout_s=180)
     assert_one_start_each(log, ids)
     # Both worker processes took part.
