@@ -214,6 +214,9 @@ class Settings:
     web_workers: int = 2
     #: Threads per web process (gthread; event streams hold one each).
     web_threads: int = 16
+    #: Seconds a request may take to arrive whole (head and body) from its first byte;
+    #: the web process's event loop reads it meanwhile, not a request thread.
+    request_read_timeout_s: float = 10.0
     #: "process": one admission writer process commits every web process's admissions;
     #: "inline": each web process commits its own (web/writer.py says why and when).
     admission_writer: str = "process"
@@ -307,6 +310,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_PORT": (_port, "listen port"),
     "RUNSTILE_WEB_WORKERS": (_positive_int, "web processes"),
     "RUNSTILE_WEB_THREADS": (_positive_int, "threads per web process"),
+    "RUNSTILE_REQUEST_READ_TIMEOUT_S": (_positive_float, "time for a request to arrive, s"),
     "RUNSTILE_ADMISSION_WRITER": (_admission_writer, "who commits admissions"),
     "RUNSTILE_WORKERS": (_positive_int, "worker processes"),
     "RUNSTILE_THREADS": (_positive_int, "threads per worker process"),

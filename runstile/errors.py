@@ -135,6 +135,49 @@ class MethodNotAllowed(RunstileError):
     status = 405
 
 
+class MalformedRequest(RunstileError):
+    """Raised when the HTTP server cannot parse a request (bad header bytes, conflicting
+    framing headers, a malformed chunked body); answered before any application code."""
+
+    code = "malformed_request"
+    status = 400
+
+
+class RequestTimeout(RunstileError):
+    """Raised when a request does not arrive whole within RUNSTILE_REQUEST_READ_TIMEOUT_S."""
+
+    code = "request_timeout"
+    status = 408
+
+
+class RequestLineTooLong(RunstileError):
+    """Raised when a request line is longer than the server accepts."""
+
+    code = "request_line_too_long"
+    status = 414
+
+
+class RequestHeadersTooLarge(RunstileError):
+    """Raised when a request's head (or a chunked body's trailers) is larger than the server accepts."""
+
+    code = "request_headers_too_large"
+    status = 431
+
+
+class ExpectationFailed(RunstileError):
+    """Raised when a request carries an ``Expect`` header other than 100-continue."""
+
+    code = "expectation_failed"
+    status = 417
+
+
+class UnsupportedTransferCoding(RunstileError):
+    """Raised when a request's Transfer-Encoding is not one the server implements."""
+
+    code = "unsupported_transfer_coding"
+    status = 501
+
+
 class Conflict(RunstileError):
     """Raised when a request conflicts with what the ledger already holds."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import g, request
 
-from ..errors import Unauthorized
+from ..errors import PayloadTooLarge, Unauthorized
 from ..ledger import keys
 from ..ledger.keys import Principal
 from .state import conn
@@ -20,6 +20,10 @@ def authenticate() -> Principal:
     if principal is None:
         raise Unauthorized("authentication required")
     g.principal = principal
+    if request.environ.get("runstile.body_over_limit"):
+        # The web process did not buffer this body: it is over RUNSTILE_MAX_BODY_BYTES
+        # (web/gthread.py).  Refused once the key is known: a 401 comes before a 413.
+        raise PayloadTooLarge("the body is larger than RUNSTILE_MAX_BODY_BYTES allows")
     return principal
 
 

@@ -1,8 +1,10 @@
-"""Running the web tier under gunicorn: several processes, gthread workers.
+"""Running the web tier under gunicorn: several processes, threaded workers.
 
-gthread, not sync: an event stream holds its connection for minutes, and a sync worker
-would be blocked by one stream and killed at its timeout (DESIGN §4).  The app is built
-in each worker after fork (no preload), so no ledger connection crosses a fork.
+Threads, not sync workers: an event stream holds its connection for minutes, and a sync
+worker would be blocked by one stream and killed at its timeout.  Each process reads
+requests whole in its event loop before a thread sees them (web/gthread.py), so a slow
+client holds no thread.  The app is built in each worker after fork (no preload), so no
+ledger connection crosses a fork (docs/architecture.md, "The web tier").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tempfile
 from gunicorn.app.base import BaseApplication
 
 from ..config import Settings
+from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
 
 
@@ -33,7 +36,9 @@ class _Gunicorn(BaseApplication):
         for name, value in {
             "bind": [_bind(s)],
             "workers": s.web_workers,
-            "worker_class": "gthread",
+            # gthread whose event loop reads each request whole before a thread sees
+            # it, and answers what it refuses as JSON (web/gthread.py).
+            "worker_class": BufferingThreadWorker,
             "threads": s.web_threads,
             # gthread's timeout watches the worker's main loop, not a request, so a
             # long event stream never trips it.
