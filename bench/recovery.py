@@ -432,7 +432,7 @@ def query_plans(ledger: Path, node_id: str, generation: int) -> list[dict]:
     from runstile.config import Settings
     from runstile.ledger import db
     from runstile.recovery import reconcile
-    from runstile.workers import registry
+    from runstile import tasks as registry
 
     registry.load(("bench.bench_tasks",))
     seen: dict[str, dict] = {}

@@ -1,15 +1,32 @@
 """runstile: durable run admission and at-most-once execution on a SQLite ledger.
 
 The public API is small: ``task`` registers a task, ``Settings`` configures runstile,
-``Client`` talks to a runstile server over HTTP, and every error derives from
-``RunstileError``.
+``Client`` talks to a runstile server over HTTP, ``RunContext`` is what a task body gets,
+and every error derives from ``RunstileError``.
+
+``import runstile`` for the client alone loads nothing of the server side (no Flask, no
+Dramatiq, no ledger): ``RunContext`` and ``Stopped`` are imported on first use.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .client import Client
 from .config import Settings
 from .errors import RunstileError
-from .workers.context import RunContext, Stopped
-from .workers.registry import task
+from .tasks import task
+
+if TYPE_CHECKING:
+    from .workers.context import RunContext, Stopped
 
 __all__ = ["Client", "RunContext", "RunstileError", "Settings", "Stopped", "task"]
 __version__ = "0.1.0"
+
+#: Public names that live on the worker side, loaded when first asked for.
+_WORKER_SIDE = {"RunContext", "Stopped"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WORKER_SIDE:
+        from .workers import context
+        return getattr(context, name)
+    raise AttributeError(f"module 'runstile' has no attribute {name!r}")

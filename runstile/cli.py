@@ -418,7 +418,7 @@ def recover(settings, as_json):
     import logging
     from .ledger import db as ledger_db, recovery as ledger_recovery
     from .recovery import reconcile
-    from .workers import registry
+    from . import tasks as registry
     logging.basicConfig(level=logging.INFO if not as_json else logging.WARNING,
                         format="%(asctime)s %(levelname)s [recover] %(message)s")
     registry.load(settings.tasks)

@@ -267,6 +267,14 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
+def share_metrics_across_processes(folder: str) -> None:
+    """Point prometheus_client's multiprocess mode at ``folder``, for this process and
+    every process it starts.  prometheus_client reads the folder from its own environment
+    variable (its interface, not a runstile setting), so this is the one place that sets
+    it; runstile's own code is handed the folder explicitly."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+
+
 def _port(raw: str) -> int:
     value = int(raw)
     if not 1 <= value <= 65535:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from .workers.registry import task
+from .tasks import task
 
 
 @task("echo")

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import click
 
 from .config import Settings
-from .ledger import db, keys, migrations, nodes
+from .ledger import db, keys, maintenance, migrations, nodes
 from .nodelock import NodeLock
 from .recovery import reconcile
-from .workers import registry
+from . import tasks as registry
 
 #: Seconds children get after the drain timeout before they are killed (SPEC §6.4).
 KILL_GRACE_S = 5.0
@@ -183,11 +183,6 @@ class Supervisor:
         alone is complete after a clean stop (the WAL is never optional, but operators
         copying files by hand should not be one step from losing acknowledged runs)."""
         try:
-            conn = db.connect(self.settings.ledger_path, busy_timeout_ms=1000)
-            try:
-                with db.ledger_errors():
-                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                conn.close()
+            maintenance.fold_wal(self.settings.ledger_path)
         except Exception as exc:  # best effort: the WAL stays valid either way
             click.echo(f"runstile: could not fold the WAL into the ledger: {exc}", err=True)

@@ -68,6 +68,17 @@ def _impossible_rows(conn: sqlite3.Connection, limit: int = 20) -> list[str]:
     return problems
 
 
+def fold_wal(path: Path) -> None:
+    """Fold the WAL into the main file (a TRUNCATE checkpoint), so that after a clean stop
+    the main file alone is complete.  Raises LedgerUnavailable when it cannot."""
+    conn = db.connect(path, busy_timeout_ms=1000)
+    try:
+        with db.ledger_errors():
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+
+
 def backup(conn: sqlite3.Connection, target: Path) -> int:
     """Online, consistent copy through SQLite's backup API; returns the page count."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -275,6 +275,20 @@ def node_generations(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:
     return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
 
+def barrier_is_open(conn: sqlite3.Connection, node_id: str) -> bool:
+    """The recovery barrier (docs/guarantees.md, "Recovery barrier"): True when the node's
+    current boot has recovered, or the node never booted workers (a web-only deployment
+    has nothing to wait for).
+
+    The process holding the node lock bumps the generation, runs recovery, then opens the
+    barrier (:func:`open_barrier`); only then does it start the worker processes.
+    Readiness (``/readyz``) reads the same record, so a web process on this node answers
+    503 until recovery for the current boot has finished.
+    """
+    generation, recovered = node_generations(conn, node_id)
+    return generation == 0 or recovered >= generation
+
+
 def open_barrier(conn: sqlite3.Connection, node_id: str, generation: int) -> bool:
     """Record that this boot's recovery finished (guarded: only for the live generation)."""
     with db.transaction(conn):

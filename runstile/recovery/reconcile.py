@@ -18,7 +18,7 @@ from ..config import Settings
 from ..errors import LedgerUnavailable
 from ..ledger import (broker_queue, db, dispatches, migrations, obligations, recovery, retention,
                       sessions)
-from ..workers import registry
+from .. import tasks as registry
 
 log = logging.getLogger("runstile.recovery")
 

@@ -13,7 +13,7 @@ from flask import Flask
 from ..config import Settings
 from ..ledger.db import ConnectionPool, connect
 from ..ledger.group_commit import GroupCommitter
-from ..workers import registry
+from .. import tasks as registry
 from .writer import WriterClient, max_frame
 
 
@@ -25,9 +25,12 @@ class WebState:
     #: Admissions of this process share write transactions (ledger/group_commit.py),
     #: or go to the node's admission writer (web/writer.py) when ``serve`` runs one.
     committer: GroupCommitter | WriterClient
+    #: Where ``serve``'s processes share metric samples (None: this process's alone).
+    metrics_dir: str | None = None
 
 
-def create_app(settings: Settings, *, writer_socket: str | None = None) -> Flask:
+def create_app(settings: Settings, *, writer_socket: str | None = None,
+               metrics_dir: str | None = None) -> Flask:
     """The WSGI app.  Call after fork: it opens ledger connections lazily per thread.
 
     ``writer_socket``: where ``serve``'s admission writer listens (web/writer.py); without
@@ -53,6 +56,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None) -> Flask
                             busy_timeout_ms=settings.busy_timeout_ms),
         task_names=frozenset(tasks),
         committer=committer,
+        metrics_dir=metrics_dir,
     )
     errors.install(app)
     app.register_blueprint(runs.blueprint)

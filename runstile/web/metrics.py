@@ -4,8 +4,6 @@ aggregates every process's samples into each /metrics answer."""
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
 from prometheus_client import multiprocess
@@ -35,10 +33,12 @@ def observe_admission(outcome: str, seconds: float) -> None:
     ADMISSION_SECONDS.observe(seconds)
 
 
-def render() -> tuple[bytes, str]:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+def render(multiprocess_dir: str | None) -> tuple[bytes, str]:
+    """Every process's samples when ``serve`` shares them through ``multiprocess_dir``;
+    this process's alone otherwise (an app built without ``serve``, as in tests)."""
+    if multiprocess_dir:
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     from prometheus_client import REGISTRY
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

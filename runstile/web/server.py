@@ -9,13 +9,12 @@ ledger connection crosses a fork (docs/architecture.md, "The web tier").
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 
 from gunicorn.app.base import BaseApplication
 
-from ..config import Settings
+from ..config import Settings, share_metrics_across_processes
 from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
 
@@ -26,9 +25,10 @@ def _bind(settings: Settings) -> str:
 
 
 class _Gunicorn(BaseApplication):
-    def __init__(self, settings: Settings, writer_socket: str | None) -> None:
+    def __init__(self, settings: Settings, writer_socket: str | None, metrics_dir: str) -> None:
         self.settings = settings
         self.writer_socket = writer_socket
+        self.metrics_dir = metrics_dir
         super().__init__()
 
     def load_config(self) -> None:
@@ -50,19 +50,18 @@ class _Gunicorn(BaseApplication):
             "errorlog": "-",
             "loglevel": "warning",
             "proc_name": "runstile-web",
-            "child_exit": _child_exit,
+            "child_exit": self._child_exit,
         }.items():
             self.cfg.set(name, value)
 
     def load(self):
         from . import create_app
-        return create_app(self.settings, writer_socket=self.writer_socket)
+        return create_app(self.settings, writer_socket=self.writer_socket,
+                          metrics_dir=self.metrics_dir)
 
-
-def _child_exit(server, worker) -> None:
-    from prometheus_client import multiprocess
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        multiprocess.mark_process_dead(worker.pid)
+    def _child_exit(self, server, worker) -> None:
+        from prometheus_client import multiprocess
+        multiprocess.mark_process_dead(worker.pid, self.metrics_dir)
 
 
 def run_gunicorn(settings: Settings) -> None:
@@ -74,13 +73,13 @@ def run_gunicorn(settings: Settings) -> None:
     must cost 503s, not web processes killed as fast as gunicorn can fork them.
     """
     metrics_dir = tempfile.mkdtemp(prefix="runstile-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    share_metrics_across_processes(metrics_dir)
     writer = WriterProcess(settings) if settings.admission_writer == "process" else None
     try:
         if writer is not None:
             # Before the web processes: their first admissions find it listening.
             writer.start()
-        _Gunicorn(settings, None if writer is None else writer.path).run()
+        _Gunicorn(settings, None if writer is None else writer.path, metrics_dir).run()
     finally:
         if writer is not None:
             # After gunicorn returned: every web process has finished its requests.

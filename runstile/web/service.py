@@ -9,7 +9,6 @@ from ..errors import LedgerUnavailable, RunstileError
 from ..fingerprint import FINGERPRINT_VERSION
 from ..ledger import migrations, status as ledger_status
 from ..ledger.states import TERMINAL, RunStatus
-from ..recovery import barrier
 from ..ledger import recovery as ledger_recovery
 from ..errors import RouteNotFound
 from ..objects import rfc3339
@@ -33,7 +32,7 @@ def readyz():
         connection = conn()
         checks["ledger"] = ledger_status.ping(connection)
         checks["migrated"] = migrations.is_current(connection)
-        checks["recovered"] = checks["migrated"] and barrier.is_open(
+        checks["recovered"] = checks["migrated"] and ledger_recovery.barrier_is_open(
             connection, state().settings.node_id)
     except (LedgerUnavailable, RunstileError):
         state().pool.discard()
@@ -47,7 +46,7 @@ def readyz():
 
 @blueprint.get("/metrics")
 def prometheus():
-    body, content_type = metrics.render()
+    body, content_type = metrics.render(state().metrics_dir)
     return Response(body, content_type=content_type)
 
 

@@ -1,1 +1,1 @@
-"""Workers: the task registry, the Dramatiq side, and the RunContext tasks see."""
+"""Workers: the Dramatiq side (actors, the embedded broker, leases, deliveries) and the RunContext tasks see."""

@@ -22,7 +22,7 @@ from ..errors import LedgerUnavailable, RunstileError
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
-from . import registry
+from .. import tasks as registry
 from .context import (ApprovalParked, Interrupt, LeaseLostInterrupt, PausedInterrupt,
                       RunContext, Stopped, TimeLimitInterrupt)
 from .lease import Executions

@@ -19,7 +19,8 @@ from ..config import Settings
 from ..errors import RunstileError
 from ..ledger import recovery
 from ..ledger.db import ConnectionPool
-from . import actors, delivery, registry
+from .. import tasks as registry
+from . import actors, delivery
 from .broker import make_broker
 from .lease import Executions, LeaseKeeper
 

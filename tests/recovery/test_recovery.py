@@ -18,8 +18,8 @@ from runstile.ledger import (db, events, execution, journal, maintenance, migrat
                              recovery as ledger_recovery, runs)
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
-from runstile.recovery import barrier, reconcile
-from runstile.workers import registry
+from runstile.recovery import reconcile
+from runstile import tasks as registry
 from tests.conftest import Api, ROOT, wait_for_status, wait_until
 
 registry.load(("tests.workers.exec_tasks",))
@@ -265,13 +265,13 @@ def test_retention_runs_inside_recovery(ledger):
 
 def test_the_barrier_opens_only_when_this_boots_recovery_finished(ledger):
     conn = ledger.connect()
-    assert barrier.is_open(conn, "node-a")  # never booted: nothing to wait for
+    assert ledger_recovery.barrier_is_open(conn, "node-a")  # never booted: nothing to wait for
     generation = nodes.boot(conn, "node-a")
-    assert not barrier.is_open(conn, "node-a")
+    assert not ledger_recovery.barrier_is_open(conn, "node-a")
     reconcile.boot(settings_for(ledger), generation)
-    assert barrier.is_open(conn, "node-a")
+    assert ledger_recovery.barrier_is_open(conn, "node-a")
     nodes.boot(conn, "node-a")
-    assert not barrier.is_open(conn, "node-a")
+    assert not ledger_recovery.barrier_is_open(conn, "node-a")
     conn.close()
 
 

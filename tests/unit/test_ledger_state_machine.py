@@ -44,7 +44,7 @@ from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.ledger.states import NON_TERMINAL, TERMINAL, RunStatus, can_transition
 from runstile.recovery import reconcile
-from runstile.workers import registry
+from runstile import tasks as registry
 
 registry.load(("tests.workers.exec_tasks",))
 

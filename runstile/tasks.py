@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 ON_CRASH = ("interrupt", "resume", "pause")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,127}")
