@@ -158,6 +158,8 @@ class Settings:
     synchronous: str = "FULL"
     #: Milliseconds a ledger write waits for the lock before answering 503.
     busy_timeout_ms: int = 5000
+    #: Milliseconds a GET /v1/runs query may run before it is cut off (503).
+    list_query_timeout_ms: int = 2000
     #: Largest accepted request body in bytes (chunked bodies included).
     max_body_bytes: int = 1024 * 1024
     #: Non-terminal runs one profile may hold before admission answers 429.
@@ -188,6 +190,8 @@ class Settings:
     max_result_bytes: int = 1024 * 1024
     #: Event streams one web process serves at once (never more than half its threads).
     max_streams: int = 8
+    #: Event streams one API key may hold open in one web process (429 beyond).
+    max_streams_per_key: int = 4
     #: Seconds one event stream lives before the client must resume.
     stream_max_s: float = 300.0
     #: Seconds between keepalive comments on an idle event stream.
@@ -289,6 +293,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_BROKER_URL": (_broker_url, "broker"),
     "RUNSTILE_SYNCHRONOUS": (_synchronous, "SQLite synchronous level"),
     "RUNSTILE_BUSY_TIMEOUT_MS": (_positive_int, "ledger lock wait, ms"),
+    "RUNSTILE_LIST_QUERY_TIMEOUT_MS": (_positive_int, "list query time limit, ms"),
     "RUNSTILE_MAX_BODY_BYTES": (_positive_int, "request body cap, bytes"),
     "RUNSTILE_MAX_ACTIVE_RUNS": (_positive_int, "non-terminal runs per profile"),
     "RUNSTILE_DEFAULT_TASK": (_optional_text, "task used when none is named"),
@@ -304,6 +309,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_STOP_GRACE_S": (_non_negative_float, "stop grace, s"),
     "RUNSTILE_MAX_RESULT_BYTES": (_positive_int, "result cap, bytes"),
     "RUNSTILE_MAX_STREAMS": (_positive_int, "event streams per web process"),
+    "RUNSTILE_MAX_STREAMS_PER_KEY": (_positive_int, "event streams per API key and process"),
     "RUNSTILE_STREAM_MAX_S": (_positive_float, "event stream lifetime, s"),
     "RUNSTILE_STREAM_KEEPALIVE_S": (_positive_float, "keepalive period, s"),
     "RUNSTILE_DELIVERY_BACKOFF_S": (_positive_float, "first delivery retry delay, s"),

@@ -107,6 +107,20 @@ class StreamsExhausted(RunstileError):
     status = 503
 
 
+class StreamsPerKeyExhausted(RunstileError):
+    """Raised when a key already holds RUNSTILE_MAX_STREAMS_PER_KEY streams in this process."""
+
+    code = "too_many_streams_for_key"
+    status = 429
+
+
+class ListQueryTimeout(RunstileError):
+    """Raised when a list query runs past RUNSTILE_LIST_QUERY_TIMEOUT_MS and is cut off."""
+
+    code = "list_query_timeout"
+    status = 503
+
+
 class RunNotFound(RunstileError):
     """Raised when a run does not exist or is outside what the caller's key may see."""
 

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 
@@ -63,6 +63,34 @@ def ledger_errors() -> Iterator[None]:
         if translated is exc:
             raise
         raise translated from exc
+
+
+#: SQLite virtual-machine instructions between two looks at a statement's deadline: often
+#: enough to stop within a fraction of a millisecond, rare enough to cost ~nothing.
+DEADLINE_CHECK_OPS = 10_000
+
+
+@contextlib.contextmanager
+def time_limit(conn: sqlite3.Connection, seconds: float,
+               timeout: Callable[[], Exception]) -> Iterator[None]:
+    """Abort the statements run inside past ``seconds``, raising ``timeout()``.
+
+    SQLite has no statement timeout; a progress handler that answers "stop" once the
+    deadline has passed makes the running statement fail with SQLITE_INTERRUPT, which
+    also ends its read snapshot (a long read holds back WAL checkpoints).  The handler
+    is removed on the way out: the connection is pooled, and every later statement on it
+    must run without a deadline.
+    """
+    deadline = time.monotonic() + seconds
+    conn.set_progress_handler(lambda: time.monotonic() > deadline, DEADLINE_CHECK_OPS)
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        if getattr(exc, "sqlite_errorname", "") != "SQLITE_INTERRUPT":
+            raise
+        raise timeout() from exc
+    finally:
+        conn.set_progress_handler(None, 0)
 
 
 def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..errors import (CapacityExceeded, IdempotencyKeyConflict, IdempotencyKeyExpired,
-                      LedgerUnavailable, RunIdConflict, RunstileError)
+                      LedgerUnavailable, ListQueryTimeout, RunIdConflict, RunstileError)
 from . import broker_queue, db, events
 from .db import NOW
 from .keys import Principal
@@ -441,9 +441,14 @@ class RunFilter:
 
 
 def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter, *,
-                 before_seq: int | None, limit: int) -> tuple[list[dict], bool]:
+                 before_seq: int | None, limit: int,
+                 timeout_s: float) -> tuple[list[dict], bool]:
     """Newest first.  Keyset pagination on seq: a run admitted while a client pages
-    gets a larger seq than every cursor, so it can neither repeat nor shift a page."""
+    gets a larger seq than every cursor, so it can neither repeat nor shift a page.
+
+    Raises :class:`ListQueryTimeout` past ``timeout_s``: filters that match few rows of a
+    large scope make SQLite scan it all, and a client must not hold a thread and a read
+    snapshot for as long as it likes (docs/api.md, "Limits on a list query")."""
     where, args = visible_clause(principal)
     clauses, params = [where], list(args)
     if flt.statuses:
@@ -472,9 +477,16 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
         clauses.append("seq < ?")
         params.append(before_seq)
     sql = f"SELECT * FROM runs WHERE {' AND '.join(clauses)} ORDER BY seq DESC LIMIT ?"
-    with db.ledger_errors():
+    with db.time_limit(conn, timeout_s, _list_timeout(timeout_s)), db.ledger_errors():
         rows = conn.execute(sql, (*params, limit + 1)).fetchall()
     return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+
+def _list_timeout(timeout_s: float):
+    return lambda: ListQueryTimeout(
+        f"the list query ran past its limit of {timeout_s * 1000:g} ms and was stopped; "
+        f"narrow it (status, task, session_key, created_after/created_before) or lower "
+        f"limit")
 
 
 def statuses_known(values: Iterable[str]) -> bool:

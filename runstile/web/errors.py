@@ -7,11 +7,16 @@ import logging
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
-from ..errors import (CapacityExceeded, LedgerUnavailable, MethodNotAllowed, PayloadTooLarge,
-                      RouteNotFound, RunstileError, StreamsExhausted, Unauthorized)
+from ..errors import (CapacityExceeded, LedgerUnavailable, ListQueryTimeout, MethodNotAllowed,
+                      PayloadTooLarge, RouteNotFound, RunstileError, StreamsExhausted,
+                      StreamsPerKeyExhausted, Unauthorized)
 from .state import state
 
 log = logging.getLogger("runstile.web")
+
+#: Errors that say when to ask again (header ``Retry-After``, RUNSTILE_RETRY_AFTER_S).
+_RETRY_AFTER = (LedgerUnavailable, CapacityExceeded, StreamsExhausted, StreamsPerKeyExhausted,
+                ListQueryTimeout)
 
 _HTTP = {404: (RouteNotFound, "no route matches this path"),
          405: (MethodNotAllowed, "this route does not accept this method"),
@@ -26,7 +31,7 @@ def error_response(exc: RunstileError):
     response.status_code = exc.status
     if isinstance(exc, Unauthorized):
         response.headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(exc, (LedgerUnavailable, CapacityExceeded, StreamsExhausted)):
+    if isinstance(exc, _RETRY_AFTER):
         response.headers["Retry-After"] = str(state().settings.retry_after_s)
     return response
 

@@ -190,7 +190,12 @@ def document() -> dict:
                     "operationId": "listRuns", "summary": "List runs, newest first",
                     "parameters": _list_parameters(),
                     "responses": {"200": _json("RunList", "one page"),
-                                  "400": _error("invalid_request"), **_AUTH_ERRORS},
+                                  "400": _error("invalid_request (also: more than 8 "
+                                                "metadata.* filters)"),
+                                  **_AUTH_ERRORS,
+                                  "503": _error("run_storage_unavailable, or "
+                                                "list_query_timeout: the query ran past "
+                                                "RUNSTILE_LIST_QUERY_TIMEOUT_MS (Retry-After)")},
                 },
             },
             "/v1/runs/{run_id}": {
@@ -219,7 +224,12 @@ def document() -> dict:
                                 "schema": {"$ref": "#/components/schemas/EventList"}},
                             "text/event-stream": {"schema": _SSE_EVENT}}},
                         "400": _error("invalid_request"),
-                        "404": _error("run_not_found"), **_AUTH_ERRORS,
+                        "404": _error("run_not_found"),
+                        "429": _error("too_many_streams_for_key: this key already holds "
+                                      "RUNSTILE_MAX_STREAMS_PER_KEY streams here (Retry-After)"),
+                        **_AUTH_ERRORS,
+                        "503": _error("run_storage_unavailable, or too_many_streams: this "
+                                      "process serves its maximum of streams (Retry-After)"),
                     },
                 },
             },

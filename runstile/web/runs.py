@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 
 from flask import Blueprint, Response, jsonify, request
 
 from .. import crashpoints, dispatch
-from ..errors import (InvalidRequest, RunNotFound, RunNotPaused, RunstileError,
-                      StreamsExhausted)
+from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunstileError
 from ..ledger import events, execution, runs
-from ..ledger.states import TERMINAL, RunStatus
+from ..ledger.states import RunStatus
 from ..objects import event_object, parse_rfc3339, run_object
-from . import admission, metrics, openapi
+from . import admission, metrics, openapi, streams
 from .auth import authenticate, principal
 from .state import conn, state
 
 blueprint = Blueprint("runs", __name__)
 
-#: Event types that end a run's stream (SPEC §3.3: it closes after the terminal event).
-TERMINAL_EVENTS = frozenset(f"run.{status.value}" for status in TERMINAL)
-TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)
-#: Seconds between polls of the event log while a stream is idle.
-STREAM_POLL_S = 0.05
 LIST_PARAMS = {"status", "task", "session_key", "idempotency_key", "created_after",
                "created_before", "limit", "cursor"}
+#: ``metadata.<k>=<v>`` values one list request may filter on: each is a scan of every
+#: row's JSON, and hundreds took 27 s on a 20,000-run ledger (docs/api.md, "Limits on a
+#: list query").
+MAX_METADATA_FILTERS = 8
 
 
 def _whole_number(text: str) -> int | None:
@@ -175,6 +172,9 @@ def _list_filter() -> runs.RunFilter:
     if any(not key for key, _ in metadata):
         raise InvalidRequest("metadata filters look like metadata.<key>=<value>",
                              field="metadata")
+    if len(metadata) > MAX_METADATA_FILTERS:
+        raise InvalidRequest(f"at most {MAX_METADATA_FILTERS} metadata.<key>=<value> filters "
+                             f"per request ({len(metadata)} were sent)", field="metadata")
     return runs.RunFilter(
         statuses=statuses, task=request.args.get("task"),
         session_key=request.args.get("session_key"),
@@ -191,8 +191,9 @@ def list_runs():
         raise InvalidRequest("limit must be a whole number from 1 to 200", field="limit")
     cursor = request.args.get("cursor")
     before = None if cursor is None else _decode_cursor(cursor)
-    rows, has_more = runs.list_visible(conn(), principal(), flt, before_seq=before,
-                                       limit=limit)
+    rows, has_more = runs.list_visible(
+        conn(), principal(), flt, before_seq=before, limit=limit,
+        timeout_s=state().settings.list_query_timeout_ms / 1000)
     return jsonify({"object": "list", "data": [run_object(r) for r in rows],
                     "has_more": has_more,
                     "next_cursor": _encode_cursor(rows[-1]["seq"]) if has_more else None})
@@ -225,68 +226,4 @@ def run_events(run_id: str):
         data = events.after(conn(), run_id, after)
         return jsonify({"data": [event_object(e) for e in data],
                         "next_after": data[-1]["seq"] if data else after})
-    return _stream(run_id, after)
-
-
-class _StreamSlots:
-    """Counts this process's open streams against RUNSTILE_MAX_STREAMS."""
-
-    def __init__(self) -> None:
-        self.lock, self.open = threading.Lock(), 0
-
-    def take(self, cap: int) -> bool:
-        with self.lock:
-            if self.open >= cap:
-                return False
-            self.open += 1
-            return True
-
-    def give_back(self) -> None:
-        with self.lock:
-            self.open -= 1
-
-
-_slots = _StreamSlots()
-
-
-def _stream(run_id: str, after: int) -> Response:
-    settings, pool = state().settings, state().pool
-    # A stream holds a gthread thread for its whole life: never let streams take more
-    # than half of them, or a few watchers would starve every other request.
-    if not _slots.take(min(settings.max_streams, max(1, settings.web_threads // 2))):
-        raise StreamsExhausted("this process serves its maximum of event streams; retry")
-
-    def frames():
-        try:
-            last, deadline = after, time.monotonic() + settings.stream_max_s
-            quiet_since = time.monotonic()
-            yield "retry: 1000\n\n"
-            while time.monotonic() < deadline:
-                # Status first, then events: the terminal event commits with the terminal
-                # status, so a status seen terminal here means the read below has the
-                # terminal event (the other order could close before sending it).
-                # One short read each; no transaction stays open in between.
-                finished = runs.status_of(pool.get(), run_id) in TERMINAL_STATUSES
-                batch = events.after(pool.get(), run_id, last, 500)
-                for event in batch:
-                    last = event["seq"]
-                    yield (f"id: {event['seq']}\nevent: {event['type']}\n"
-                           f"data: {json.dumps(event_object(event), separators=(',', ':'))}\n\n")
-                if batch:
-                    quiet_since = time.monotonic()
-                    if any(e["type"] in TERMINAL_EVENTS for e in batch):
-                        return
-                    continue
-                if finished:
-                    return
-                if time.monotonic() - quiet_since >= settings.stream_keepalive_s:
-                    quiet_since = time.monotonic()
-                    yield ": keepalive\n\n"
-                time.sleep(STREAM_POLL_S)
-        finally:
-            _slots.give_back()
-
-    response = Response(frames(), mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"
-    return response
+    return streams.open_stream(run_id, after, principal().key_id)
