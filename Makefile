@@ -33,8 +33,14 @@ chaos: venv
 bench: venv
 	$(PY) bench/run.py
 
+## lint: ruff (every file) and mypy (strict where pyproject.toml says)
 lint: venv
-	$(PY) -m compileall -q runstile tests bench
+	$(VENV)/bin/ruff check runstile tests bench
+	$(VENV)/bin/mypy
+
+## docs: build docs/ with mkdocs --strict (a broken link or anchor fails)
+docs: venv
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -453,7 +453,7 @@ def write_docs(summary: dict, reports: dict, started: datetime, seconds: float) 
         f"Written by `make bench` (`bench/run.py`) on **{started:%Y-%m-%d} at "
         f"{started:%H:%M} UTC**, from that one run ({seconds / 60:.0f} minutes). Do not edit "
         "the numbers by hand: run the command again. How each section measures is in "
-        "[bench/README.md](../bench/README.md).",
+        "`bench/README.md` in the repository.",
         "",
         "## Issue targets",
         "",
