@@ -1,18 +1,27 @@
-"""Which callback targets runstile may reach (SPEC §7): the checks that need no DNS.
+"""Which callback targets runstile may reach (docs/api.md "callback_url").
 
-Admission refuses a ``callback_url`` outright (400 ``invalid_callback_url``) when it is
-not http(s) or names a host that is a refused address in any spelling inet_aton accepts
-(``127.1``, ``2130706433``, ``0x7f.1``) or an IPv4-mapped IPv6 literal.  Names that need
-resolving are checked again at delivery, against the address actually connected to:
-``checked_addresses`` resolves a host once and returns the addresses delivery may connect
-to (``runstile.webhooks.deliver`` connects to them and never resolves the name again, so a
-DNS answer that changes between check and connect cannot steer it elsewhere).
+``callback_target`` is the one reading of a callback URL: admission (400
+``invalid_callback_url``), ``ctx.deliver`` and every delivery attempt all call it, so what
+a delivery would refuse without DNS is refused at admission already.  It normalises the
+host the way a resolver would read it — IDNA with nameprep (full-width digits and letters,
+``。`` and ``．`` as dots), every spelling inet_aton accepts (``127.1``, ``2130706433``,
+``0x7f.1``), IPv4-mapped (``::ffff:a.b.c.d``) and IPv4-compatible (``::a.b.c.d``) IPv6 as
+the IPv4 address they carry — and refuses a literal address delivery would refuse.
+
+Names that need resolving are checked again at delivery, against the address actually
+connected to: ``checked_addresses`` resolves a host once and returns the addresses
+delivery may connect to (``runstile.webhooks.deliver`` connects to them and never
+resolves the name again, so a DNS answer that changes between check and connect cannot
+steer it elsewhere).  Its refusal's ``reason`` (stored, and shown to API clients) never
+names the addresses a name resolved to; its ``detail`` (for the log) does.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import unicodedata
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 #: Ranges no callback may reach unless allow-listed: loopback, private, link-local,
@@ -24,19 +33,76 @@ _REFUSED_V4 = [ipaddress.ip_network(n) for n in (
 _REFUSED_V6 = [ipaddress.ip_network(n) for n in (
     "::/128", "::1/128", "fc00::/7", "fe80::/10", "ff00::/8", "64:ff9b::/96", "100::/64",
     "2001:db8::/32", "fd00:ec2::254/128")]
-#: IPv6 forms that carry or reach an IPv4 address and are refused at delivery whatever
-#: that address is: IPv4-compatible (``::a.b.c.d``, deprecated) and local-use NAT64.
-#: (IPv4-mapped and well-known NAT64 are refused by ``address_refused``; Teredo is not
-#: globally routable; 6to4 is judged by the address it embeds.)
-_REFUSED_V6_TRANSLATED = [ipaddress.ip_network(n) for n in ("::/96", "64:ff9b:1::/48")]
+#: IPv4-compatible IPv6 (``::a.b.c.d``, deprecated): judged as the IPv4 it carries.
+_COMPATIBLE = ipaddress.ip_network("::/96")
+#: Local-use NAT64, refused at delivery whatever IPv4 it reaches.  (Well-known NAT64 is in
+#: _REFUSED_V6; Teredo is not globally routable; 6to4 is judged by the address it embeds.)
+_REFUSED_V6_TRANSLATED = [ipaddress.ip_network("64:ff9b:1::/48")]
 MAX_URL_LENGTH = 2048
+#: What API clients read when a callback host resolves to a refused address: the
+#: addresses themselves (this network's internal layout) go to the log only.
+RESOLVES_TO_REFUSED = ("resolves to a loopback, private or otherwise non-public address, "
+                       "which callbacks may not reach")
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def parse_host_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address a host literal denotes, in every spelling a resolver would accept."""
+@dataclass(frozen=True)
+class CallbackTarget:
+    """A callback URL as delivery reads it."""
+
+    scheme: str
+    #: ASCII: a name's IDNA form, or an address literal's text (no brackets); lowercase.
+    host: str
+    port: int
+    #: The path and query to request ("/" at least).
+    target: str
+    #: The address a literal host denotes (mapped/compatible IPv6 as its IPv4), else None.
+    address: Address | None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why delivery may not connect: ``reason`` may be stored and shown to API clients,
+    ``detail`` (which may name internal addresses) is for the log only."""
+
+    reason: str
+    detail: str
+
+
+def normalise_host(host: str) -> str:
+    """The ASCII form of a URL's host that DNS, the Host header and SNI carry.
+
+    An IPv6 literal (urlsplit has taken off its brackets) is NFKC-normalised; a name goes
+    through IDNA (Python's ``encodings.idna``: nameprep maps full-width digits and
+    letters, and ``。``, ``．`` and ``｡`` separate labels), so ``１２７.０.０.１`` and
+    ``127。0。0。1`` become ``127.0.0.1``.  ValueError if it cannot be encoded.
+    """
+    if ":" in host:
+        return unicodedata.normalize("NFKC", host).lower()
+    try:
+        return host.encode("idna").decode("ascii").rstrip(".").lower()
+    except UnicodeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def as_reached(addr: Address) -> Address:
+    """``addr`` as the address checks judge: IPv4-mapped (``::ffff:a.b.c.d``) and
+    IPv4-compatible (``::a.b.c.d``) IPv6 as that IPv4 address (``::`` and ``::1`` stay)."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return addr.ipv4_mapped
+        if addr in _COMPATIBLE and int(addr) > 1:
+            return ipaddress.IPv4Address(int(addr))
+    return addr
+
+
+def parse_host_address(host: str) -> Address | None:
+    """The address a host literal denotes, in every spelling a resolver would accept
+    (IPv4-mapped and -compatible IPv6 as their IPv4)."""
     host = host.strip("[]")
     try:
-        return ipaddress.ip_address(host)
+        return as_reached(ipaddress.ip_address(host))
     except ValueError:
         pass
     try:
@@ -47,28 +113,41 @@ def parse_host_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Addre
         return None
 
 
-def address_refused(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+def address_refused(addr: Address) -> bool:
+    """Whether ``addr`` is in one of the named refused ranges (see ``target_refused``)."""
+    addr = as_reached(addr)
     if isinstance(addr, ipaddress.IPv6Address):
-        mapped = addr.ipv4_mapped or addr.sixtofour
-        if mapped is not None:
-            return True if addr.ipv4_mapped else address_refused(mapped)
+        if addr.sixtofour is not None:
+            return address_refused(addr.sixtofour)
         return any(addr in net for net in _REFUSED_V6)
     return any(addr in net for net in _REFUSED_V4)
 
 
-def allowlisted(host: str, addr, allowlist: tuple[str, ...]) -> bool:
+def allowlisted(host: str, addr: Address | None, allowlist: tuple[str, ...]) -> bool:
+    """Whether ``RUNSTILE_CALLBACK_ALLOWLIST`` exempts ``host`` (normalised) or ``addr``:
+    a CIDR holds the address, an address entry is the address in any spelling, a name
+    entry is the host after the same normalisation."""
     for entry in allowlist:
         if "/" in entry:
-            if addr is not None and addr.version == ipaddress.ip_network(entry, strict=False).version \
-                    and addr in ipaddress.ip_network(entry, strict=False):
+            network = ipaddress.ip_network(entry, strict=False)
+            if addr is not None and addr.version == network.version and addr in network:
                 return True
-        elif entry.lower().strip("[]") == host.lower():
-            return True
+            continue
+        entry_addr = parse_host_address(entry)
+        if entry_addr is not None:
+            if addr is not None and entry_addr == addr:
+                return True
+            continue
+        try:
+            if normalise_host(entry.strip("[]")) == host:
+                return True
+        except ValueError:
+            continue
     return False
 
 
-def callback_refusal(url: str, allowlist: tuple[str, ...] = ()) -> str | None:
-    """Why ``url`` may never be a callback target, or None if it may be (pending DNS)."""
+def _parse(url: str) -> CallbackTarget | str:
+    """``url`` split and normalised, or why it is not a callback URL at all."""
     if len(url) > MAX_URL_LENGTH:
         return f"callback_url is longer than {MAX_URL_LENGTH} characters"
     if any(ord(c) < 33 or ord(c) == 127 for c in url):
@@ -80,27 +159,50 @@ def callback_refusal(url: str, allowlist: tuple[str, ...] = ()) -> str | None:
         return "callback_url is not a valid URL"
     if parts.scheme not in ("http", "https"):
         return "callback_url must use http or https"
-    host = (parts.hostname or "").rstrip(".")
+    try:
+        host = normalise_host(parts.hostname or "")
+    except ValueError:
+        return "callback_url has an invalid host name"
     if not host:
         return "callback_url has no host"
-    del port
-    addr = parse_host_address(host)
+    port = port or (443 if parts.scheme == "https" else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return CallbackTarget(scheme=parts.scheme, host=host, port=port, target=target,
+                          address=parse_host_address(host))
+
+
+def callback_target(url: str, allowlist: tuple[str, ...] = ()
+                    ) -> tuple[CallbackTarget | None, str | None]:
+    """``(target, None)`` for a URL delivery may try (pending DNS for a name), else
+    ``(None, why)``: not http(s), malformed, localhost, or a literal address that
+    ``target_refused`` refuses and the allowlist does not exempt."""
+    parsed = _parse(url)
+    if isinstance(parsed, str):
+        return None, parsed
+    host, addr = parsed.host, parsed.address
     if allowlisted(host, addr, allowlist):
-        return None
-    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
-        return "callback_url points at this machine (localhost)"
-    if addr is not None and address_refused(addr):
-        return f"callback_url points at a refused address ({addr})"
-    return None
+        return parsed, None
+    if host == "localhost" or host.endswith(".localhost"):
+        return None, "callback_url points at this machine (localhost)"
+    if addr is not None and target_refused(addr):
+        # The client's own literal, normalised: naming it reveals nothing.
+        return None, f"callback_url points at a refused address ({addr})"
+    return parsed, None
 
 
-def target_refused(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+def callback_refusal(url: str, allowlist: tuple[str, ...] = ()) -> str | None:
+    """Why ``url`` may never be a callback target, or None if it may be (pending DNS)."""
+    return callback_target(url, allowlist)[1]
+
+
+def target_refused(addr: Address) -> bool:
     """Whether delivery must not connect to ``addr`` (before the allowlist is consulted).
 
-    Stricter than ``address_refused``: also every address Python does not consider
-    globally routable (documentation, benchmarking, Teredo, …), reserved ranges, and the
-    IPv6 forms that reach an IPv4 address (``_REFUSED_V6_TRANSLATED``).
+    The named ranges (``address_refused``), and also every address Python does not
+    consider globally routable (documentation, benchmarking, Teredo, …), reserved ranges
+    and local-use NAT64; an IPv4-mapped or -compatible address is judged as its IPv4.
     """
+    addr = as_reached(addr)
     if address_refused(addr) or addr.is_multicast or addr.is_reserved or not addr.is_global:
         return True
     return isinstance(addr, ipaddress.IPv6Address) and any(
@@ -108,20 +210,20 @@ def target_refused(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 
 
 def checked_addresses(host: str, port: int, allowlist: tuple[str, ...] = (),
-                      resolver=socket.getaddrinfo) -> tuple[list[tuple[int, tuple]], str | None]:
-    """Resolve ``host`` once; return ``(targets, None)`` or ``([], why_refused)``.
+                      resolver=socket.getaddrinfo
+                      ) -> tuple[list[tuple[int, tuple]], Refusal | None]:
+    """Resolve ``host`` once; return ``(targets, None)`` or ``([], refusal)``.
 
-    ``targets`` are ``(family, sockaddr)`` pairs to pass to ``socket.socket(family)`` and
-    ``connect(sockaddr)``; each sockaddr holds a numeric address, so connecting never
-    resolves the name again.  A host literal in any legacy spelling (``127.1``) is used
-    as is, without calling ``resolver``.  Otherwise ``resolver`` is called as
-    ``resolver(host, port, 0, socket.SOCK_STREAM)`` and must answer like
-    ``socket.getaddrinfo``.  The host is refused when ANY address it resolves to is
-    ``target_refused`` — unless the host name itself or that address is allow-listed
-    (exact host name, or CIDR).  Resolution failures raise ``OSError`` (e.g.
+    ``host`` is normalised (``CallbackTarget.host``).  ``targets`` are ``(family,
+    sockaddr)`` pairs to pass to ``socket.socket(family)`` and ``connect(sockaddr)``;
+    each sockaddr holds a numeric address, so connecting never resolves the name again.
+    A host literal in any spelling (``127.1``) is used as the address it denotes, without
+    calling ``resolver``.  Otherwise ``resolver`` is called as ``resolver(host, port, 0,
+    socket.SOCK_STREAM)`` and must answer like ``socket.getaddrinfo``.  The host is
+    refused when ANY address it resolves to is ``target_refused`` — unless the host name
+    itself or that address is allow-listed.  Resolution failures raise ``OSError`` (e.g.
     ``socket.gaierror``): that is a reason to retry, not to refuse.
     """
-    host = host.strip("[]").rstrip(".")
     literal = parse_host_address(host)
     if literal is not None:
         addrs = [literal]
@@ -129,16 +231,18 @@ def checked_addresses(host: str, port: int, allowlist: tuple[str, ...] = (),
         addrs = []
         for info in resolver(host, port, 0, socket.SOCK_STREAM):
             try:
-                addrs.append(ipaddress.ip_address(info[4][0]))
+                addrs.append(as_reached(ipaddress.ip_address(info[4][0])))
             except (ValueError, IndexError, TypeError):
-                return [], f"{host} resolved to something that is not an address ({info!r})"
+                return [], Refusal(f"{host} did not resolve to an address",
+                                   f"{host} resolved to {info!r}")
         if not addrs:
             raise OSError(f"{host} resolved to no address")
     host_allowed = allowlisted(host, None, allowlist)
     targets: list[tuple[int, tuple]] = []
     for addr in dict.fromkeys(addrs):  # de-duplicated, in resolver order
         if not host_allowed and not allowlisted(host, addr, allowlist) and target_refused(addr):
-            return [], f"{host} resolves to a refused address ({addr})"
+            return [], Refusal(f"{host} {RESOLVES_TO_REFUSED}",
+                               f"{host} resolves to a refused address ({addr})")
         if addr.version == 4:
             targets.append((socket.AF_INET, (str(addr), port)))
         else:

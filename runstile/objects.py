@@ -7,8 +7,9 @@ a client meets it.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
+
+from .jsondepth import loads_for_reading
 
 
 def rfc3339(ts: float | None) -> str | None:
@@ -29,7 +30,7 @@ def parse_rfc3339(text: str) -> float:
 
 
 def _json(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+    return None if text is None else loads_for_reading(text)
 
 
 def _approval(text: str | None) -> dict | None:

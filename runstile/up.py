@@ -87,8 +87,11 @@ class Supervisor:
             click.echo("bootstrap admin key for profile 'default' (shown once, keep it):")
             click.echo(f"  {secret}")
         if secret and registry.get("chat") is not None:
-            click.echo(f"try: curl -s -X POST http://{host}:{self.settings.port}/v1/runs "
-                       f"-H 'Authorization: Bearer {secret}' -H 'Content-Type: application/json' "
+            # The key is printed once, above: logs and terminal scrollback are read by
+            # more people than should hold an admin key (docs/guarantees.md).
+            click.echo(f"try, with KEY set to that key: curl -s -X POST "
+                       f"http://{host}:{self.settings.port}/v1/runs "
+                       "-H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' "
                        "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
         sys.stdout.flush()
 

@@ -35,9 +35,8 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Literal
-from urllib.parse import urlsplit
 
-from .netguard import callback_refusal, checked_addresses
+from .netguard import callback_target, checked_addresses
 
 #: Prefix of a signing secret; the rest is standard base64.
 SECRET_PREFIX = "whsec_"
@@ -133,13 +132,16 @@ class Outcome:
 
     ``status`` is the HTTP status when one was received; ``retry_after_s`` the
     receiver's ``Retry-After`` in seconds (from delay-seconds or an HTTP-date), when
-    given; ``error`` a one-line reason for anything but ``delivered``.
+    given; ``error`` a one-line reason for anything but ``delivered``, fit to store and
+    show to API clients (it never names the addresses a host resolved to); ``detail``,
+    when set, the same with those addresses, for the operator's log only.
     """
 
     status: int | None = None
     retry_after_s: float | None = None
     kind: Literal["delivered", "retry", "gone", "refused"]
     error: str | None = None
+    detail: str | None = None
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -255,27 +257,21 @@ def deliver(url: str, body: bytes, headers: dict[str, str], *,
 
     Never raises for network trouble: every failure is an ``Outcome``.
     """
-    refusal = callback_refusal(url, allowlist)
-    if refusal is not None:
+    parsed, refusal = callback_target(url, allowlist)  # as admission read it
+    if parsed is None:
         return Outcome(kind="refused", error=refusal)
-    parts = urlsplit(url)
+    # The normalised ASCII (IDNA) host is what DNS, the Host header and SNI all carry.
+    host, port, target = parsed.host, parsed.port, parsed.target
     try:
-        # The ASCII (IDNA) form is what DNS, the Host header and SNI all carry.
-        host = (parts.hostname or "").rstrip(".").encode("idna").decode("ascii")
-    except UnicodeError:
-        return Outcome(kind="refused", error="callback_url has an invalid host name")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        targets, refusal = checked_addresses(host, port, allowlist, resolver)
+        targets, refused = checked_addresses(host, port, allowlist, resolver)
     except OSError as exc:
         return Outcome(kind="retry", error=f"cannot resolve {host}: {exc}")
-    if refusal is not None:
-        return Outcome(kind="refused", error=refusal)
+    if refused is not None:
+        return Outcome(kind="refused", error=refused.reason, detail=refused.detail)
 
     tls = None
-    if parts.scheme == "https":
+    if parsed.scheme == "https":
         tls = ssl_context if ssl_context is not None else ssl.create_default_context()
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     send_headers = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
     conn = _PinnedConnection(host, port, targets, connect_timeout_s=connect_timeout_s,
                              read_timeout_s=read_timeout_s, tls=tls)

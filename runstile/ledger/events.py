@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
+from ..jsondepth import loads_for_reading
 from . import db
 from .db import NOW
 
@@ -38,5 +39,5 @@ def after(conn: sqlite3.Connection, run_id: str, after_seq: int = 0, limit: int 
         rows = conn.execute(
             "SELECT seq, type, data, created_at FROM events WHERE run_id = ? AND seq > ? "
             "ORDER BY seq LIMIT ?", (run_id, after_seq, limit)).fetchall()
-    return [{"seq": r["seq"], "type": r["type"], "data": json.loads(r["data"]),
+    return [{"seq": r["seq"], "type": r["type"], "data": loads_for_reading(r["data"]),
              "created_at": r["created_at"]} for r in rows]

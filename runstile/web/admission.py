@@ -15,6 +15,7 @@ from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, In
                       InvalidRunId, PayloadTooLarge, RunstileError, UnknownTask,
                       UnsupportedMediaType)
 from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
+from ..jsondepth import MAX_DEPTH, text_too_deep, too_deep
 from ..ledger.keys import Principal
 from ..ledger.runs import AdmissionRequest
 from ..netguard import callback_refusal
@@ -80,12 +81,28 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def parse_json(raw: bytes) -> Any:
-    """Strict I-JSON: UTF-8, no NaN/Infinity, no duplicate keys."""
+    """Strict I-JSON: UTF-8, no NaN/Infinity, no duplicate keys, no value in the body
+    nested deeper than MAX_DEPTH (docs/api.md "JSON depth")."""
     try:
         text = raw.decode("utf-8")
-        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_pairs)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        body = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise InvalidJson(_too_deep("the body")) from None
+    except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidJson(f"the body is not valid JSON: {exc}") from None
+    # The body object is one level itself, so its fields may nest MAX_DEPTH below it.
+    # Counting brackets (in C) spares the walk for every body that cannot be too deep.
+    if text_too_deep(raw, MAX_DEPTH + 1):
+        fields = body.items() if isinstance(body, dict) else [("the body", body)]
+        for name, value in fields:
+            if too_deep(value):
+                raise InvalidJson(_too_deep(name), field=name)
+    return body
+
+
+def _too_deep(name: str) -> str:
+    # Deeper, a value could be stored and then break every read of it.
+    return f"{name} nests deeper than the limit of {MAX_DEPTH} levels of arrays and objects"
 
 
 def parse_idempotency_key(environ: dict) -> str | None:
@@ -104,14 +121,35 @@ def parse_idempotency_key(environ: dict) -> str | None:
     return key
 
 
+def _unicode(value: str, name: str) -> None:
+    """Refuse a string holding a lone surrogate (JSON can spell one, "\\ud800"; UTF-8
+    cannot store it), naming the field it is in rather than failing later as input."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{name} contains a lone surrogate (\\ud800-\\udfff), which is "
+                             "not a Unicode character", field=name) from None
+
+
 def _text(body: dict, name: str, limit: int = MAX_TEXT, *, no_control: bool = False) -> str | None:
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, str) or not 1 <= len(value) <= limit:
         raise InvalidRequest(f"{name} must be a string of 1-{limit} characters", field=name)
+    _unicode(value, name)
     if no_control and any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
         raise InvalidRequest(f"{name} must not contain control characters", field=name)
+    return value
+
+
+def _callback_url(body: dict) -> str | None:
+    value = body.get("callback_url")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest("callback_url must be a string", field="callback_url")
+    _unicode(value, "callback_url")
     return value
 
 
@@ -127,9 +165,11 @@ def _metadata(body: dict) -> dict | None:
         if not 1 <= len(key) <= MAX_METADATA_KEY:
             raise InvalidRequest(f"metadata keys must be 1-{MAX_METADATA_KEY} characters",
                                  field="metadata")
+        _unicode(key, "metadata")  # a key that cannot be spelled cannot name its field
         if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
             raise InvalidRequest(f"metadata.{key} must be a string of at most "
                                  f"{MAX_METADATA_VALUE} characters", field=f"metadata.{key}")
+        _unicode(item, f"metadata.{key}")
     return value
 
 
@@ -152,9 +192,7 @@ def build(request, principal: Principal, *, settings, task_names) -> tuple[Admis
         raise InvalidRequest("run_id must be a string", field="run_id")
     session_key = _text(body, "session_key", no_control=True)
     trigger_id = _text(body, "trigger_id")
-    callback_url = body.get("callback_url")
-    if callback_url is not None and not isinstance(callback_url, str):
-        raise InvalidRequest("callback_url must be a string", field="callback_url")
+    callback_url = _callback_url(body)
     metadata = _metadata(body)
     if run_id is not None and not _RUN_ID.fullmatch(run_id):
         raise InvalidRunId(f"run_id must look like run_<32 lowercase hex>, matching "

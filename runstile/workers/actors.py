@@ -19,12 +19,13 @@ import dramatiq
 from .. import crashpoints, dispatch
 from ..config import Settings
 from ..errors import LedgerUnavailable, RunstileError
+from ..jsondepth import MAX_DEPTH
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
 from .. import tasks as registry
 from .context import (ApprovalParked, Interrupt, LeaseLostInterrupt, PausedInterrupt,
-                      RunContext, Stopped, TimeLimitInterrupt)
+                      ResultTooDeep, RunContext, Stopped, TimeLimitInterrupt, encode_json)
 from .lease import Executions
 
 log = logging.getLogger("runstile.workers")
@@ -195,10 +196,15 @@ class Executor:
 
     def _completed(self, value) -> dict:
         try:
-            encoded = json.dumps(value, separators=(",", ":"))
+            encoded = encode_json(value)
         except (TypeError, ValueError) as exc:
             return {"status": "failed", "error_code": "invalid_result",
                     "error_message": f"the task returned a value that is not JSON: {exc}"}
+        if encoded is None:
+            # Stored, it would break reading the run (docs/api.md "JSON depth").
+            return {"status": "failed", "error_code": ResultTooDeep.code,
+                    "error_message": f"the result nests deeper than {MAX_DEPTH} levels of "
+                                     "arrays and objects"}
         if len(encoded.encode()) > self.settings.max_result_bytes:
             return {"status": "failed", "error_code": "result_too_large",
                     "error_message": f"the result is larger than "

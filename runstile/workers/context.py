@@ -16,6 +16,7 @@ from typing import Any, Callable
 import rfc8785
 
 from ..errors import InvalidCallbackUrl, LeaseLost, RunStopping, RunstileError
+from ..jsondepth import MAX_DEPTH, text_too_deep
 from ..ledger import approvals, execution, journal
 from ..ledger.execution import Owner
 from ..netguard import callback_refusal
@@ -55,6 +56,40 @@ class InvalidEvent(RunstileError):
     """Raised when a task emits a reserved, malformed or oversized event."""
 
     code = "invalid_event"
+
+
+class ResultTooDeep(RunstileError):
+    """Raised when a task's or a step's result nests deeper than 64 levels (docs/api.md
+    "JSON depth"): stored, it would break reading the run."""
+
+    code = "result_too_deep"
+
+
+def encode_json(value: Any) -> str | None:
+    """``value`` as compact JSON, or None when it nests deeper than MAX_DEPTH (json.dumps
+    raises RecursionError long before a deep value's size would be refused).  Values
+    that are not JSON raise TypeError or ValueError, as json.dumps does."""
+    try:
+        encoded = json.dumps(value, separators=(",", ":"))
+    except RecursionError:
+        return None
+    return None if text_too_deep(encoded) else encoded
+
+
+def _payload_json(value: Any, what: str, max_bytes: int) -> str:
+    """What a task hands runstile to store (event data, a delivery payload, approval
+    details) as compact JSON; InvalidEvent naming ``what`` if it is not JSON, nests
+    deeper than MAX_DEPTH or is larger than ``max_bytes``."""
+    try:
+        encoded = encode_json(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidEvent(f"{what} must be JSON: {exc}") from None
+    if encoded is None:
+        raise InvalidEvent(f"{what} must nest at most {MAX_DEPTH} levels of arrays and "
+                           "objects")
+    if len(encoded.encode()) > max_bytes:
+        raise InvalidEvent(f"{what} must be at most {max_bytes} bytes of JSON")
+    return encoded
 
 
 def args_hash(*parts: Any) -> str:
@@ -133,12 +168,8 @@ class RunContext:
         if type.startswith(RESERVED_PREFIXES) and type != "run.progress":
             raise InvalidEvent(f"event type {type!r} uses a reserved prefix "
                                f"({', '.join(RESERVED_PREFIXES)}; run.progress is allowed)")
-        try:
-            encoded = json.dumps({} if data is None else data, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
-            raise InvalidEvent(f"event data must be JSON: {exc}") from None
-        if len(encoded.encode()) > MAX_EVENT_DATA_BYTES:
-            raise InvalidEvent(f"event data is larger than {MAX_EVENT_DATA_BYTES} bytes")
+        encoded = _payload_json({} if data is None else data, "event data",
+                                MAX_EVENT_DATA_BYTES)
         self.checkpoint()
         position = self._next_position()
         digest = args_hash(type, json.loads(encoded))
@@ -167,13 +198,7 @@ class RunContext:
         refusal = callback_refusal(url, self._allowlist)
         if refusal is not None:
             raise InvalidCallbackUrl(refusal)
-        try:
-            encoded = json.dumps(payload, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
-            raise InvalidEvent(f"a delivery payload must be JSON: {exc}") from None
-        if len(encoded.encode()) > self._max_payload_bytes:
-            raise InvalidEvent(f"a delivery payload is larger than {self._max_payload_bytes} "
-                               "bytes")
+        encoded = _payload_json(payload, "a delivery payload", self._max_payload_bytes)
         self.checkpoint()
         position = self._next_position()
         digest = args_hash("deliver", url, json.loads(encoded))
@@ -199,12 +224,7 @@ class RunContext:
         """Ask a person (SPEC §5).  The first time, the run parks in
         ``waiting_for_approval`` and the body stops here; after the decision the body
         runs again and this call returns True (approve) or False (deny)."""
-        try:
-            encoded = json.dumps(details, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
-            raise InvalidEvent(f"approval details must be JSON: {exc}") from None
-        if len(encoded.encode()) > MAX_EVENT_DATA_BYTES:
-            raise InvalidEvent(f"approval details are larger than {MAX_EVENT_DATA_BYTES} bytes")
+        encoded = _payload_json(details, "approval details", MAX_EVENT_DATA_BYTES)
         self.checkpoint()
         position = self._next_position()
         digest = args_hash("request_approval", json.loads(encoded))
@@ -255,7 +275,7 @@ class RunContext:
         self._on_step_started()
         try:
             result = fn(*args, **kwargs)
-            result_json = json.dumps(result, separators=(",", ":"))
+            result_json = encode_json(result)
         except Interrupt:
             raise  # the step's outcome is unknown: its row stays 'started'
         except (TypeError, ValueError) as exc:
@@ -267,6 +287,10 @@ class RunContext:
         except Exception as exc:
             self._settle(position, "failed", {"error": f"{type(exc).__name__}: {exc}"})
             raise
+        if result_json is None:
+            too_deep = f"step {name!r} returned a value nested deeper than {MAX_DEPTH} levels"
+            self._settle(position, "failed", {"error": too_deep})
+            raise ResultTooDeep(too_deep)
         if not journal.settle_step(self._conn, self.run_id, self._owner, position=position,
                                    state="completed", result_json=result_json):
             raise LeaseLostInterrupt(self.run_id)

@@ -114,8 +114,10 @@ class Deliverer:
             won = obligations.settle_failed(conn, row, status=outcome.status,
                                             error=outcome.error or outcome.kind,
                                             delay_s=delay_s, park=park)
+            # The log may name the addresses a host resolved to; last_error (shown to
+            # API clients) never does.
             log.info("delivery %s (run %s): attempt %d failed (%s); %s", row["id"],
-                     row["run_id"], row["attempts"], outcome.error,
+                     row["run_id"], row["attempts"], outcome.detail or outcome.error,
                      "parked" if park else f"next in {delay_s:.2f}s")
             if won and not park:
                 dispatch.send_delivery_later(settings, conn, row["id"], delay_s)

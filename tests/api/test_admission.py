@@ -406,6 +406,59 @@ def test_a_schema_violation_names_the_field(api, body, field):
     assert run_count(api) == 0
 
 
+@pytest.mark.parametrize("body,field", [
+    ({"task": "echo\ud800"}, "task"),
+    ({"task": "echo", "session_key": "s\udfff"}, "session_key"),
+    ({"task": "echo", "trigger_id": "\ud800t"}, "trigger_id"),
+    ({"task": "echo", "metadata": {"k": "v\ud800"}}, "metadata.k"),
+    ({"task": "echo", "metadata": {"k\ud800": "v"}}, "metadata"),
+    ({"task": "echo", "callback_url": "https://hooks.example/\ud800"}, "callback_url"),
+    ({"task": "echo", "input": {"text": "\ud800"}}, "input"),
+])
+def test_a_lone_surrogate_is_refused_naming_the_field_it_is_in(api, body, field):
+    # json.dumps writes the lone surrogate as the escape "\ud800": valid JSON, not Unicode.
+    response = api.post_run(body)
+    assert response.status_code == 400, response.text
+    assert error_code(response) == "invalid_request"
+    assert response.json()["error"]["field"] == field
+    assert run_count(api) == 0
+
+
+def nested(depth: int) -> str:
+    """JSON arrays nested ``depth`` deep around a 1."""
+    return "[" * depth + "1" + "]" * depth
+
+
+@pytest.mark.parametrize("field,value", [("input", nested(65)), ("input", nested(980)),
+                                         ("metadata", '{"k":' + nested(64) + "}"),
+                                         ("trigger_id", nested(65))])
+def test_a_field_nested_deeper_than_64_levels_is_invalid_json(api, field, value):
+    response = api.post_run(data=f'{{"task":"echo","{field}":{value}}}',
+                            headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_json" and error["field"] == field
+    assert "64 levels" in error["message"]
+    assert run_count(api) == 0
+
+
+def test_a_body_too_deep_for_the_json_parser_is_invalid_json_naming_the_limit(api):
+    response = api.post_run(data='{"task":"echo","input":' + nested(100_000) + "}",
+                            headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and error_code(response) == "invalid_json"
+    assert "64 levels" in response.json()["error"]["message"]
+
+
+def test_input_nested_64_deep_is_admitted_and_reads_back_in_full(api):
+    deep = json.loads(nested(64))
+    response = api.post_run({"task": "echo", "input": deep, "metadata": {"k": "v"}})
+    assert response.status_code == 202, response.text
+    rid = response.json()["id"]
+    assert api.get(f"/v1/runs/{rid}").json()["input"] == deep
+    listed = api.get("/v1/runs")
+    assert listed.status_code == 200 and listed.json()["data"][0]["input"] == deep
+
+
 def test_a_body_that_is_not_an_object_is_invalid_request(api):
     assert error_code(api.post_run(data="[1]", headers={"Content-Type": "application/json"})) \
         == "invalid_request"
@@ -440,6 +493,28 @@ def test_a_refused_callback_url_is_invalid_callback_url(api, url):
     response = api.post_run({"task": "echo", "callback_url": url})
     assert response.status_code == 400 and error_code(response) == "invalid_callback_url"
     assert run_count(api) == 0
+
+
+@pytest.mark.parametrize("url", ["http://１２７.０.０.１/x", "http://127。0。0。1/x",
+                                 "http://127．0．0．1/x", "http://[::127.0.0.1]/x",
+                                 "http://[::ffff:127.0.0.1]/x", "http://[::ffff:7f00:1]/x",
+                                 "http://１６９.２５４.１６９.２５４/latest",
+                                 "http://192.0.2.1/x", "http://a..b/x"])
+def test_every_spelling_delivery_would_refuse_is_invalid_callback_url_at_admission(api, url):
+    response = api.post_run({"task": "echo", "callback_url": url})
+    assert response.status_code == 400, response.text
+    assert error_code(response) == "invalid_callback_url"
+    assert run_count(api) == 0
+
+
+def test_the_allowlist_exempts_an_address_in_every_spelling(make_server, ledger):
+    api = Api(make_server(RUNSTILE_CALLBACK_ALLOWLIST="127.0.0.1"), ledger.key())
+    for url in ["http://１２７.０.０.１:9/x", "http://[::ffff:127.0.0.1]:9/x",
+                "http://127.1:9/x"]:
+        response = api.post_run({"task": "echo", "callback_url": url})
+        assert response.status_code == 202, (url, response.text)
+    refused = api.post_run({"task": "echo", "callback_url": "http://１２７.０.０.２:9/x"})
+    assert error_code(refused) == "invalid_callback_url"
 
 
 def test_an_allowlisted_loopback_callback_is_accepted(make_server, ledger):

@@ -174,3 +174,24 @@ def test_a_bad_after_is_invalid_request(api):
     response = api.get(f"/v1/runs/{rid}/events", params={"after": "-1"},
                        headers={"Accept": "application/json"})
     assert response.status_code == 400
+
+
+def test_a_stored_value_nested_too_deep_reads_as_a_placeholder_not_a_500(api):
+    """A row written before admission checked depth (simulated by writing the column
+    directly) must not break reading it, nor every list page that holds it."""
+    others = admit(api, 2)
+    rid = admit(api, 1)[0]
+    too_deep = "[" * 980 + "]" * 980
+    api.ledger.query("UPDATE runs SET input = ?, result = ? WHERE id = ?",
+                     (too_deep, '{"ok":' + too_deep + "}", rid))
+    api.ledger.query("UPDATE events SET data = ? WHERE run_id = ?", (too_deep, rid))
+    run = api.get(f"/v1/runs/{rid}")
+    assert run.status_code == 200, run.text
+    placeholder = "(not shown: nested deeper than 128 levels)"
+    assert run.json()["input"] == run.json()["result"] == placeholder
+    page = api.get("/v1/runs")
+    assert page.status_code == 200, page.text
+    assert [r["id"] for r in page.json()["data"]] == [rid, *reversed(others)]
+    events = api.get(f"/v1/runs/{rid}/events", headers={"Accept": "application/json"})
+    assert events.status_code == 200, events.text
+    assert [e["data"] for e in events.json()["data"]] == [placeholder]

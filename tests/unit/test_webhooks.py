@@ -169,10 +169,49 @@ def test_a_name_that_resolves_to_loopback_is_refused_without_a_connection(receiv
                                                                           connections):
     receiver = receivers()
     outcome = deliver(receiver.url("evil.example"), b"{}", {},
-                      resolver=_resolving({"evil.example": ["127.0.0.1"]}))
-    assert outcome.kind == "refused" and "127.0.0.1" in outcome.error
+                      resolver=_resolving({"evil.example": ["10.20.30.40"]}))
+    assert outcome.kind == "refused" and "evil.example" in outcome.error
+    # The reason is stored and shown to API clients: it must not map the internal
+    # network for them.  The operator's log gets the address.
+    assert "10.20.30.40" not in outcome.error and "10.20.30.40" in outcome.detail
     assert connections == [], "no connection may even be attempted"
     assert receiver.requests == []
+
+
+#: Spellings of refused addresses that admission once accepted and delivery refused.
+OTHER_SPELLINGS = ["http://１２７.０.０.１/x", "http://127。0。0。1/x", "http://127．0．0．1/x",
+                   "http://[::127.0.0.1]/x", "http://[::ffff:127.0.0.1]/x",
+                   "http://[::ffff:7f00:1]/x", "http://[::a00:1]/x", "http://192.0.2.1/x",
+                   "http://１０.０.０.１/x"]
+
+
+@pytest.mark.parametrize("url", OTHER_SPELLINGS)
+def test_admission_and_delivery_refuse_every_spelling_of_a_refused_address_alike(url,
+                                                                                 connections):
+    admission = netguard.callback_refusal(url)
+    outcome = deliver(url, b"{}", {}, resolver=_no_dns)
+    assert admission is not None and "refused address" in admission
+    assert outcome.kind == "refused" and outcome.error == admission
+    assert connections == []
+
+
+@pytest.mark.parametrize("host", ["１２７.０.０.１", "127。0。0。1", "[::ffff:127.0.0.1]",
+                                  "[::127.0.0.1]", "127.1"])
+def test_an_allow_listed_address_is_accepted_and_reached_in_every_spelling(receivers, host):
+    receiver = receivers()
+    url = receiver.url(host)
+    assert netguard.callback_refusal(url, ("127.0.0.1",)) is None
+    outcome = deliver(url, b"{}", {}, allowlist=("127.0.0.1",), resolver=_no_dns)
+    assert outcome.kind == "delivered" and len(receiver.requests) == 1
+
+
+def test_a_host_name_is_normalised_once_for_dns_the_host_header_and_the_allowlist():
+    target, refusal = netguard.callback_target("https://ＨＯＯＫＳ。Example.COM:8443/a?b=1",
+                                               ("hooks.example.com",))
+    assert refusal is None
+    assert (target.host, target.port, target.target) == ("hooks.example.com", 8443, "/a?b=1")
+    assert netguard.callback_target("http://bücher.example/")[0].host == "xn--bcher-kva.example"
+    assert netguard.callback_refusal("http://a..b/") == "callback_url has an invalid host name"
 
 
 def test_a_redirect_to_a_refused_address_is_not_followed(receivers, connections):

@@ -92,6 +92,24 @@ async def async_task(ctx, input):
     return {"async": True}
 
 
+@runstile.task("t.deep")
+def deep(ctx, input):
+    """Hands runstile a value nested ``input["depth"]`` deep, through ``input["via"]``."""
+    value: object = 1
+    for _ in range(input["depth"]):
+        value = [value]
+    via = input["via"]
+    if via == "emit":
+        ctx.emit("deep", value)
+    elif via == "step":
+        ctx.step("deep", lambda: value)
+    elif via == "deliver":
+        ctx.deliver("https://hooks.example/deep", value)
+    elif via == "approval":
+        ctx.request_approval(value)
+    return value
+
+
 @runstile.task("t.not_json")
 def not_json(ctx, input):
     return {1, 2}

@@ -155,7 +155,7 @@ def test_a_410_parks_at_once(ledger, receiver):
     assert state(ledger, oid)[:2] == ("parked", 1)
 
 
-def test_a_name_resolving_to_loopback_is_never_connected_to(ledger, connections):
+def test_a_name_resolving_to_loopback_is_never_connected_to(ledger, connections, caplog):
     _, oid = finished_run(ledger, ledger.key(), "http://hooks.evil.test:8080/x")
 
     def resolver(host, port, *args, **kwargs):
@@ -163,10 +163,14 @@ def test_a_name_resolving_to_loopback_is_never_connected_to(ledger, connections)
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
 
     # Not allow-listed: the guard sees the resolved address and refuses it.
+    caplog.set_level("INFO", logger="runstile.delivery")
     deliverer(ledger, resolver=resolver, callback_allowlist=())(oid)
     assert connections == []
     row = ledger.query("SELECT state, last_error FROM obligations WHERE id = ?", (oid,))[0]
-    assert row[0] == "pending" and "127.0.0.1" in row[1]
+    # last_error is shown to API clients: the host, never the address it resolved to;
+    # the operator's log has the address.
+    assert row[0] == "pending" and "hooks.evil.test" in row[1] and "127.0.0.1" not in row[1]
+    assert "hooks.evil.test resolves to a refused address (127.0.0.1)" in caplog.text
 
 
 def test_a_302_to_a_refused_address_is_not_followed(ledger, receiver, connections):

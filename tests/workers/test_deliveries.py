@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import ipaddress
 import json
+import socket
 import subprocess
 import time
 
+import pytest
 import requests
 from standardwebhooks.webhooks import Webhook
+
+from runstile import netguard
 
 from tests.conftest import ROOT, RUNSTILE, Api, System, wait_for_status, wait_until
 from tests.receiver import answer_with
@@ -320,3 +325,33 @@ def test_1000_obligations_through_a_flaky_receiver_and_20_deliverer_kills_end_de
     per_run = ledger.query("SELECT COUNT(*) FROM obligations WHERE kind = 'deliver' "
                            "GROUP BY run_id")
     assert per_run == [(10,)] * 100
+
+
+def internal_name() -> tuple[str, set[str]]:
+    """A host name admission accepts (it is not an address, nor localhost) that resolves
+    only to addresses delivery refuses: this machine's own name, as /etc/hosts or DNS
+    gives it (127.0.1.1 on Debian, the container's private address in Docker)."""
+    host = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(host, 80, 0, socket.SOCK_STREAM)
+    except OSError:
+        pytest.skip(f"this machine's name {host!r} does not resolve")
+    addresses = {info[4][0] for info in infos}
+    if netguard.callback_refusal(f"http://{host}/") is not None or not all(
+            netguard.target_refused(ipaddress.ip_address(a)) for a in addresses):
+        pytest.skip(f"{host!r} ({addresses}) is not a name for an internal address")
+    return host, addresses
+
+
+def test_a_delivery_error_shown_to_api_clients_never_names_an_internal_address(make_system,
+                                                                             ledger):
+    host, addresses = internal_name()
+    fast = {name: value for name, value in FAST.items() if name != "RUNSTILE_CALLBACK_ALLOWLIST"}
+    system = make_system(workers=1, threads=2, **fast)
+    api = Api(system, ledger.key(), ledger)
+    rid = api.post_run({"task": "echo", "callback_url": f"http://{host}:9/hook"}).json()["id"]
+    [delivery] = wait_until(lambda: [d for d in deliveries(api, rid) if d["last_error"]],
+                            15, 0.05, "the refused delivery attempt")
+    assert host in delivery["last_error"] and "non-public" in delivery["last_error"]
+    assert not any(address in delivery["last_error"] for address in addresses), delivery
+    assert not any(address in json.dumps(deliveries(api, rid)) for address in addresses)

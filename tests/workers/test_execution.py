@@ -200,6 +200,39 @@ def test_task_failures_limits_and_bad_results_end_the_run_with_a_code(make_syste
     assert f"end {ids['t.sleepy']}" not in read_log(log), "the time limit did not stop the body"
 
 
+def test_a_value_a_task_nests_deeper_than_64_levels_fails_the_run_and_reads_fine(make_system,
+                                                                                   ledger):
+    system = make_system(workers=1, threads=4)
+    api = Api(system, ledger.key(), ledger)
+    cases = [("result", 64, "completed", None), ("result", 100, "failed", "result_too_deep"),
+             ("result", 5000, "failed", "result_too_deep"),
+             ("step", 100, "failed", "result_too_deep"), ("emit", 100, "failed", "invalid_event"),
+             ("deliver", 100, "failed", "invalid_event"),
+             ("approval", 100, "failed", "invalid_event"),
+             ("emit", 64, "completed", None),
+             ("approval", 64, "waiting_for_approval", None)]
+    ids = [api.post_run({"task": "t.deep", "input": {"via": via, "depth": depth}}).json()["id"]
+           for via, depth, _, _ in cases]
+    for rid, (via, depth, status, code) in zip(ids, cases):
+        run = wait_for_status(api, rid, ("completed", "failed", "waiting_for_approval"))
+        assert (run["status"], (run["error"] or {}).get("code")) == (status, code), (via, run)
+        if code is not None:
+            assert "64 levels" in run["error"]["message"], run["error"]
+            assert run["result"] is None
+    deepest_allowed = json.loads("[" * 64 + "1" + "]" * 64)
+    assert api.get(f"/v1/runs/{ids[0]}").json()["result"] == deepest_allowed
+    # runstile wraps what it admitted a level deeper (the approval object, its event):
+    # still shown in full.
+    assert api.get(f"/v1/runs/{ids[-1]}").json()["approval"]["details"] == deepest_allowed
+    emitted, requested = (api.get(f"/v1/runs/{rid}/events", headers={
+        "Accept": "application/json"}).json()["data"] for rid in ids[-2:])
+    assert deepest_allowed in [e["data"] for e in emitted if e["type"] == "deep"]
+    assert deepest_allowed in [e["data"]["details"] for e in requested
+                               if e["type"] == "approval.requested"]
+    page = api.get("/v1/runs", params={"limit": 200})
+    assert page.status_code == 200 and {r["id"] for r in page.json()["data"]} == set(ids)
+
+
 def test_a_run_whose_task_is_gone_fails_unknown_task_at_claim(make_system, ledger):
     system = make_system(workers=1, threads=1)
     api = Api(system, ledger.key(), ledger)

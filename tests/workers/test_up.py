@@ -68,11 +68,14 @@ def test_up_runs_a_demo_task_and_shuts_down_with_no_orphan(tmp_path, how):
     assert "Traceback" not in log.read_text()
 
 
-def test_the_bootstrap_key_is_printed_only_on_first_start(tmp_path):
+def test_the_bootstrap_key_is_printed_once_and_only_on_first_start(tmp_path):
     port = free_port()
     proc, key, url, log = start_up(tmp_path, port)
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=40)
+    first = log.read_text()
+    assert first.count(key) == 1 and first.count("rsk_") == 1, first
+    assert 'Authorization: Bearer $KEY' in first  # the demo command names it, not repeats it
     second = subprocess.Popen([sys.executable, "-m", "runstile", "up", "--data-dir",
                                str(tmp_path / "data"), "--port", str(port), "--workers", "1",
                                "--web-workers", "1"], stdout=subprocess.PIPE,
