@@ -16,7 +16,7 @@ from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, In
                       UnsupportedMediaType)
 from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
 from ..ledger.keys import Principal
-from ..ledger.runs import AdmissionRequest
+from ..ledger.admission import AdmissionRequest
 from ..netguard import callback_refusal
 
 RUN_ID_PATTERN = "run_[0-9a-f]{32}"
