@@ -169,7 +169,8 @@ def _templates(path: Path) -> dict[str, str]:
     dead node, run claimed by a worker of the dead node; its lease is set later."""
     from runstile import dispatch
     from runstile.config import Settings
-    from runstile.ledger import broker_queue, db, execution, keys, migrations, nodes, runs
+    from runstile.ledger import (admission, broker_queue, db, execution, keys, migrations,
+                                 nodes)
     from runstile.ledger import recovery as ledger_recovery
     from runstile.ledger.execution import Owner
     from runstile.ledger.keys import Principal
@@ -195,12 +196,12 @@ def _templates(path: Path) -> dict[str, str]:
         fp = _fingerprint("bench.noop", input_json)
         out = {}
         for kind in ("completed", "failed", "orphan", "queued"):  # queued last: claims take the oldest message
-            req = runs.AdmissionRequest(
+            req = admission.AdmissionRequest(
                 principal=principal, key=f"template-{kind}", key_is_derived=False,
                 run_id=None, task="bench.noop", input_json=input_json, session_key=None,
                 trigger_id=None, metadata_json=None, callback_url=None, fingerprint=fp,
                 fingerprint_version=1)
-            run = runs.admit(conn, req, refusal=None, max_active_runs=10 ** 9,
+            run = admission.admit(conn, req, refusal=None, max_active_runs=10 ** 9,
                              enqueue=enqueue).run
             out[kind] = run["id"]
             if kind == "queued":

@@ -14,7 +14,7 @@ fails, every unit of the batch fails with LedgerUnavailable and none was acknowl
 
 A unit's work may offer ``run_many(conn, works) -> [(result, refusal), ...]``: the units
 of a batch that share it are then run by one call, so that their writes can be
-set-based (admissions: ``ledger.runs.reserve_many``).  Same contract: refusals per unit,
+set-based (admissions: ``ledger.admission.reserve_many``).  Same contract: refusals per unit,
 before writing; any other exception aborts the batch.
 """
 

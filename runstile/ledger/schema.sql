@@ -35,7 +35,7 @@ CREATE TABLE api_keys (
     revoked_at  REAL
 );
 
--- runs: one row per admitted run.  Inserted by admission (ledger/runs.py admit); every
+-- runs: one row per admitted run.  Inserted by admission (ledger/admission.py admit); every
 -- later change is one guarded UPDATE in ledger/ that names the status it expects.
 -- seq orders runs by admission (list cursors, session order); id is the public id and
 -- is unique across every scope (a client run id is taken "anywhere", SPEC §3.1).

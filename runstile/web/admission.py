@@ -17,7 +17,7 @@ from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, In
 from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
 from ..jsondepth import MAX_DEPTH, text_too_deep, too_deep
 from ..ledger.keys import Principal
-from ..ledger.runs import AdmissionRequest
+from ..ledger.admission import AdmissionRequest
 from ..netguard import callback_refusal
 
 RUN_ID_PATTERN = "run_[0-9a-f]{32}"

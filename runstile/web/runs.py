@@ -11,6 +11,7 @@ from flask import Blueprint, Response, jsonify, request
 from .. import crashpoints, dispatch
 from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunstileError
 from ..ledger import events, execution, runs
+from ..ledger.admission import admit
 from ..ledger.states import RunStatus
 from ..objects import event_object, parse_rfc3339, run_object
 from . import admission, metrics, openapi, streams
@@ -57,10 +58,9 @@ def create_run():
         settings = web.settings
         req, refusal = admission.build(request._get_current_object(), principal(),
                                        settings=settings, task_names=web.task_names)
-        admitted = runs.admit(None, req, refusal=refusal,
-                              max_active_runs=settings.max_active_runs,
-                              enqueue=dispatch.in_transaction_enqueue(settings),
-                              committer=web.committer)
+        admitted = admit(None, req, refusal=refusal, max_active_runs=settings.max_active_runs,
+                         enqueue=dispatch.in_transaction_enqueue(settings),
+                         committer=web.committer)
         crashpoints.hit(settings, "after_admit_commit")
         if not admitted.replayed:
             # Redis/RabbitMQ: publish now that the admission committed (nothing to do for

@@ -56,7 +56,7 @@ from typing import Any, Callable
 from .. import crashpoints, dispatch, errors
 from ..config import Settings
 from ..errors import LedgerUnavailable, RunstileError
-from ..ledger import db, group_commit, runs
+from ..ledger import admission, db, group_commit, runs
 from ..ledger.keys import Principal
 
 log = logging.getLogger("runstile.writer")
@@ -95,7 +95,7 @@ def _error_from(fields: list) -> RunstileError:
     return cls(message, **details)
 
 
-def encode_request(res: runs.Reservation) -> bytes:
+def encode_request(res: admission.Reservation) -> bytes:
     req = res.req
     p = req.principal
     return _dumps([
@@ -107,19 +107,19 @@ def encode_request(res: runs.Reservation) -> bytes:
     ]).encode()
 
 
-def decode_request(data: bytes, enqueue: runs.Enqueue | None) -> runs.Reservation:
+def decode_request(data: bytes, enqueue: runs.Enqueue | None) -> admission.Reservation:
     """The reservation a web process sent.  ``enqueue`` is the writer's own in-transaction
     enqueue (same settings as the web's); a request sent without one gets none."""
     (profile_id, key_id, role, key, derived, run_id, task, input_json, session_key,
      trigger_id, metadata_json, callback_url, fp, fp_version, refusal, max_active,
      wants_enqueue) = json.loads(data)
-    req = runs.AdmissionRequest(
+    req = admission.AdmissionRequest(
         principal=Principal(profile_id, key_id, role), key=key, key_is_derived=derived,
         run_id=run_id, task=task, input_json=input_json, session_key=session_key,
         trigger_id=trigger_id, metadata_json=metadata_json, callback_url=callback_url,
         fingerprint=fp, fingerprint_version=fp_version)
-    return runs.Reservation(req, None if refusal is None else _error_from(refusal),
-                            max_active, enqueue if wants_enqueue else None)
+    return admission.Reservation(req, None if refusal is None else _error_from(refusal),
+                                 max_active, enqueue if wants_enqueue else None)
 
 
 def encode_outcome(unit: group_commit.Unit) -> bytes:
@@ -129,17 +129,17 @@ def encode_outcome(unit: group_commit.Unit) -> bytes:
     if isinstance(unit.error, RunstileError):
         return _dumps(["refused", *_error_fields(unit.error)]).encode()
     if isinstance(unit.error, sqlite3.IntegrityError):
-        # A uniqueness race: runs.admit re-reads and answers a replay or a 409.
+        # A uniqueness race: admission.admit re-reads and answers a replay or a 409.
         return _dumps(["race", str(unit.error)]).encode()
     return _dumps(["failed", f"{type(unit.error).__name__}: {unit.error}"]).encode()
 
 
-def decode_outcome(data: bytes) -> runs.Admitted:
-    """The writer's answer as runs.admit would have returned or raised it."""
+def decode_outcome(data: bytes) -> admission.Admitted:
+    """The writer's answer as admission.admit would have returned or raised it."""
     outcome = json.loads(data)
     kind = outcome[0]
     if kind == "ok":
-        return runs.Admitted(outcome[1], replayed=outcome[2], dispatch_id=outcome[3])
+        return admission.Admitted(outcome[1], replayed=outcome[2], dispatch_id=outcome[3])
     if kind == "refused":
         raise _error_from(outcome[1:])
     if kind == "race":
@@ -183,7 +183,7 @@ class WriterClient:
         self._threads = threading.local()
 
     def run(self, work: Any) -> Any:
-        if not isinstance(work, runs.Reservation):
+        if not isinstance(work, admission.Reservation):
             return self.local.run(work)
         sock = self._socket()
         if sock is None:

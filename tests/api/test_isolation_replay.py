@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 import schemathesis
 
-from runstile.ledger import approvals, execution, journal, obligations, runs
+from runstile.ledger import admission, approvals, execution, journal, obligations
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.web import openapi
@@ -75,13 +75,13 @@ def _claimed(owner: Api, world: World, state: str) -> str:
 def _callback_run(ledger, key, world: World) -> None:
     """A run with a callback_url (set at the ledger: the SSRF guard refuses every host this
     sandbox can resolve), cancelled over HTTP by its owner: its callback obligation."""
-    request = runs.AdmissionRequest(
+    request = admission.AdmissionRequest(
         principal=Principal(key.profile, key.key_id, key.role), key=None,
         key_is_derived=False, run_id=None, task="echo", input_json=json.dumps({"s": SECRET}),
         session_key=None, trigger_id=None, metadata_json=None,
         callback_url="https://hooks.example/" + SECRET, fingerprint="f" * 64,
         fingerprint_version=1)
-    world.runs["cancelled"] = _transition(ledger, lambda c: runs.admit(
+    world.runs["cancelled"] = _transition(ledger, lambda c: admission.admit(
         c, request, refusal=None, max_active_runs=10_000).run["id"])
 
 

@@ -3,7 +3,7 @@ purpose in a real ledger, is reported (and a clean history reports nothing)."""
 
 from __future__ import annotations
 
-from runstile.ledger import execution, runs
+from runstile.ledger import admission, execution
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from tests.chaos.harness import History, check
@@ -14,12 +14,12 @@ OWNER = Owner("node-a", 1, 1, 1)
 def admit(ledger, key, idempotency_key: str) -> str:
     conn = ledger.connect()
     try:
-        request = runs.AdmissionRequest(
+        request = admission.AdmissionRequest(
             principal=Principal(key.profile, key.key_id, key.role), key=idempotency_key,
             key_is_derived=False, run_id=None, task="chaos.resume", input_json="{}",
             session_key=None, trigger_id=None, metadata_json=None, callback_url=None,
             fingerprint=idempotency_key.ljust(64, "0")[:64], fingerprint_version=1)
-        return runs.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
+        return admission.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
     finally:
         conn.close()
 

@@ -14,8 +14,8 @@ import time
 
 from runstile.config import Settings
 from runstile.errors import LedgerUnavailable
-from runstile.ledger import (db, events, execution, journal, maintenance, migrations, nodes,
-                             recovery as ledger_recovery, runs)
+from runstile.ledger import (admission, db, events, execution, journal, maintenance,
+                             migrations, nodes, recovery as ledger_recovery)
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.recovery import reconcile
@@ -28,12 +28,12 @@ registry.load(("tests.workers.exec_tasks",))
 def admit(ledger, key, task: str) -> str:
     conn = ledger.connect()
     try:
-        request = runs.AdmissionRequest(
+        request = admission.AdmissionRequest(
             principal=Principal(key.profile, key.key_id, key.role), key=None,
             key_is_derived=False, run_id=None, task=task, input_json="{}", session_key=None,
             trigger_id=None, metadata_json=None, callback_url=None, fingerprint="f" * 64,
             fingerprint_version=1)
-        return runs.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
+        return admission.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
     finally:
         conn.close()
 

@@ -55,13 +55,12 @@ MAX_FUNCTION_LINES = 40
 #: Modules and functions over budget today.  This list may only shrink: a new entry, or
 #: an entry that grew, fails the test (the number is the most lines it may have).
 LONG_MODULES: dict[str, int] = {
-    "cli": 706, "client": 549, "ledger.runs": 488, "web.writer": 466,
+    "cli": 706, "web.writer": 466,
     "workers.sqlite_broker": 691,
 }
 LONG_FUNCTIONS: dict[str, int] = {
-    "client:_events": 56, "ledger.execution:claim": 44, "ledger.recovery:apply": 44,
-    "ledger.recovery:apply_terminal_many": 61, "ledger.runs:_write_new_runs": 61,
-    "ledger.runs:reserve_many": 79, "recovery.reconcile:run_pass": 90,
+    "ledger.execution:claim": 44, "ledger.recovery:apply": 44,
+    "ledger.recovery:apply_terminal_many": 61, "recovery.reconcile:run_pass": 90,
     "web.admission:build": 58, "web.openapi:document": 176, "web.runs:_stream": 41,
     "web.writer:serve": 53, "webhooks:deliver": 113, "workers.actors:_execute": 67,
     "workers.context:step": 47, "workers.sqlite_broker:_run": 70,
@@ -207,8 +206,8 @@ def copy(tmp_path) -> Path:
 def test_the_rules_fail_on_a_forbidden_import_and_on_sql_outside_the_ledger(copy):
     with open(copy / "web" / "runs.py", "a", encoding="utf-8") as f:
         f.write("\nfrom ..workers import actors  # noqa\n")
-    with open(copy / "client.py", "a", encoding="utf-8") as f:
-        f.write("\nfrom .ledger import db  # noqa\n"
+    with open(copy / "client" / "__init__.py", "a", encoding="utf-8") as f:
+        f.write("\nfrom ..ledger import db  # noqa\n"
                 "QUERY = 'SELECT id FROM runs WHERE status = ?'\n"
                 "import os\nHOME = os.environ.get('HOME')\n")
     assert set(import_violations(copy)) == {"web.runs imports workers",

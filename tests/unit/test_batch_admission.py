@@ -1,4 +1,4 @@
-"""Admissions written together (ledger.runs.reserve_many, one group commit) get exactly the
+"""Admissions written together (ledger.admission.reserve_many, one group commit) get exactly the
 answers and rows they would get one after another (SPEC §3.1)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from runstile import dispatch
 from runstile.errors import (CapacityExceeded, IdempotencyKeyConflict, InvalidCallbackUrl,
                              RunIdConflict)
-from runstile.ledger import db, group_commit, keys, migrations, runs
+from runstile.ledger import admission, db, group_commit, keys, migrations
 from runstile.ledger.keys import Principal
 
 ENQUEUE = dispatch._embedded_enqueue
@@ -29,16 +29,16 @@ def ledger(tmp_path):
 def request(principal, *, key=None, run_id=None, task="echo", fp="a", derived=False):
     if key is None and run_id is not None:
         key, derived = "legacy-run:" + run_id, True
-    return runs.AdmissionRequest(
+    return admission.AdmissionRequest(
         principal=principal, key=key, key_is_derived=derived, run_id=run_id, task=task,
         input_json="null", session_key=None, trigger_id=None, metadata_json=None,
         callback_url=None, fingerprint=fp * 64, fingerprint_version=1)
 
 
 def batch(conn, *reqs, refusal=None, max_active_runs=1000, enqueue=ENQUEUE):
-    reservations = [runs.Reservation(r, refusal, max_active_runs, enqueue) for r in reqs]
+    reservations = [admission.Reservation(r, refusal, max_active_runs, enqueue) for r in reqs]
     with db.transaction(conn):
-        return runs.reserve_many(conn, reservations)
+        return admission.reserve_many(conn, reservations)
 
 
 def count(conn, sql, *args):
@@ -131,7 +131,7 @@ def test_a_batch_without_an_in_transaction_enqueue_leaves_its_dispatches_unsent(
 def test_a_batch_of_waiting_admissions_runs_through_one_reserve_many(ledger, tmp_path):
     conn, who = ledger
     batches = group_commit.Batches(lambda: db.connect(tmp_path / "ledger.db"))
-    units = [group_commit.Unit(runs.Reservation(request(who, key=k), None, 1000, ENQUEUE))
+    units = [group_commit.Unit(admission.Reservation(request(who, key=k), None, 1000, ENQUEUE))
              for k in ("x", "y", "x")]
     batches.settle(units)
     assert [u.error for u in units] == [None, None, None]

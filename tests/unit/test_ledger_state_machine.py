@@ -38,8 +38,8 @@ from runstile import dispatch
 from runstile.config import Settings
 from runstile.errors import (ApprovalAlreadyResolved, ApprovalNotPending, CapacityExceeded,
                              IdempotencyKeyConflict, LeaseLost, RunIdConflict, RunStopping)
-from runstile.ledger import (approvals, db, execution, journal, keys, maintenance, migrations,
-                             nodes, recovery as ledger_recovery, runs)
+from runstile.ledger import (admission, approvals, db, execution, journal, keys, maintenance,
+                             migrations, nodes, recovery as ledger_recovery)
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.ledger.states import NON_TERMINAL, TERMINAL, RunStatus, can_transition
@@ -184,7 +184,7 @@ class LedgerMachine(RuleBasedStateMachine):
         fp = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         key, derived = (header_key, False) if header_key else \
             (None, False) if run_id is None else (f"legacy-run:{run_id}", True)
-        request = runs.AdmissionRequest(
+        request = admission.AdmissionRequest(
             principal=principal, key=key, key_is_derived=derived, run_id=run_id, task=task,
             input_json=json.dumps(value), session_key=session, trigger_id=None,
             metadata_json=None, callback_url=callback_url, fingerprint=fp,
@@ -210,11 +210,11 @@ class LedgerMachine(RuleBasedStateMachine):
         count = self.conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
         if expected[0] == "conflict":
             with pytest.raises(expected[1]):
-                runs.admit(self.conn, request, refusal=None, max_active_runs=MAX_ACTIVE_RUNS,
+                admission.admit(self.conn, request, refusal=None, max_active_runs=MAX_ACTIVE_RUNS,
                            enqueue=self.enqueue)
             assert self.conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == count
             return
-        admitted = runs.admit(self.conn, request, refusal=None,
+        admitted = admission.admit(self.conn, request, refusal=None,
                               max_active_runs=MAX_ACTIVE_RUNS, enqueue=self.enqueue)
         rid = admitted.run["id"]
         if expected[0] == "replay":

@@ -1,5 +1,5 @@
 """The admission writer's wire format (runstile/web/writer.py): what a web process sends
-is the reservation the writer runs, and what the writer answers is what runs.admit would
+is the reservation the writer runs, and what the writer answers is what admission.admit would
 have returned or raised in the web process itself."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import sqlite3
 import pytest
 
 from runstile import errors
-from runstile.ledger import group_commit, runs
+from runstile.ledger import admission, group_commit
 from runstile.ledger.keys import Principal
 from runstile.web import writer
 
 
-def reservation(**changes) -> runs.Reservation:
+def reservation(**changes) -> admission.Reservation:
     fields = dict(
         principal=Principal("acme", "k1", "client"), key="ik-1", key_is_derived=False,
         run_id=None, task="echo", input_json='{"text":"héllo \\u2028","n":[1,2.5,null]}',
@@ -22,7 +22,7 @@ def reservation(**changes) -> runs.Reservation:
         callback_url="https://example.com/hook", fingerprint="f" * 64,
         fingerprint_version=1)
     fields.update(changes)
-    return runs.Reservation(runs.AdmissionRequest(**fields), None, 10_000, None)
+    return admission.Reservation(admission.AdmissionRequest(**fields), None, 10_000, None)
 
 
 def embedded(conn, run, dispatch_id) -> None:  # stands for the writer's own enqueue
@@ -58,7 +58,7 @@ def unit_with(result=None, error=None) -> group_commit.Unit:
 def test_an_admitted_run_comes_back_as_the_same_admitted_run():
     run = {"seq": 7, "id": "run_" + "b" * 32, "input": '{"x":1}', "created_at": 1764460800.123,
            "result": None, "attempt": 1}
-    admitted = runs.Admitted(run, replayed=True, dispatch_id=None)
+    admitted = admission.Admitted(run, replayed=True, dispatch_id=None)
     assert writer.decode_outcome(writer.encode_outcome(unit_with(admitted))) == admitted
 
 

@@ -13,7 +13,7 @@ from standardwebhooks.webhooks import Webhook
 
 from runstile import webhooks
 from runstile.config import Settings
-from runstile.ledger import execution, obligations, runs, webhook_secrets
+from runstile.ledger import admission, execution, obligations, webhook_secrets
 from runstile.ledger.db import ConnectionPool
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
@@ -50,12 +50,12 @@ def finished_run(ledger, key, url: str) -> tuple[str, str]:
     """A run with ``callback_url`` that completed: (run id, its callback obligation id)."""
     conn = ledger.connect()
     try:
-        request = runs.AdmissionRequest(
+        request = admission.AdmissionRequest(
             principal=Principal(key.profile, key.key_id, key.role), key=None,
             key_is_derived=False, run_id=None, task="echo", input_json='{"x":1}',
             session_key=None, trigger_id=None, metadata_json=None, callback_url=url,
             fingerprint="f" * 64, fingerprint_version=1)
-        rid = runs.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
+        rid = admission.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
         assert execution.claim(conn, rid, OWNER, lease_s=60, task_known=lambda t: True).run
         assert execution.finish(conn, rid, OWNER, status="completed", result_json='{"ok":1}')
         [row] = obligations.for_run(conn, rid)

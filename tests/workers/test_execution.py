@@ -82,16 +82,16 @@ def test_duplicate_broker_delivery_still_executes_each_run_once(make_system, led
 def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
     api_key = ledger.key()
     conn = ledger.connect()
-    from runstile.ledger import journal, runs
+    from runstile.ledger import admission, journal
     from runstile.errors import LeaseLost
     from runstile.fingerprint import fingerprint
     from runstile.ledger.keys import Principal
-    request = runs.AdmissionRequest(
+    request = admission.AdmissionRequest(
         principal=Principal("default", api_key.key_id, "client"), key=None, key_is_derived=False,
         run_id=None, task="t.log_start", input_json="{}", session_key=None, trigger_id=None,
         metadata_json=None, callback_url=None, fingerprint=fingerprint({"task": "x"}),
         fingerprint_version=1)
-    rid = runs.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
+    rid = admission.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
     stale, fresh = Owner("n", 1, 100, 1), Owner("n", 2, 200, 2)
     known = lambda name: True
     assert execution.claim(conn, rid, stale, lease_s=30, task_known=known).run is not None
@@ -241,15 +241,15 @@ def test_a_run_whose_task_is_gone_fails_unknown_task_at_claim(make_system, ledge
     wait_for_status(api, rid)
     # A run queued for a task the workers no longer register (edited in while queued).
     from runstile import dispatch
-    from runstile.ledger import runs
+    from runstile.ledger import admission
     from runstile.fingerprint import fingerprint
     from runstile.ledger.keys import Principal
-    request = runs.AdmissionRequest(
+    request = admission.AdmissionRequest(
         principal=Principal("default", api.key.key_id, "client"), key=None, key_is_derived=False,
         run_id=None, task="retired.task", input_json="null", session_key=None, trigger_id=None,
         metadata_json=None, callback_url=None, fingerprint=fingerprint({"task": "retired"}),
         fingerprint_version=1)
-    gone = runs.admit(conn, request, refusal=None, max_active_runs=100,
+    gone = admission.admit(conn, request, refusal=None, max_active_runs=100,
                       enqueue=dispatch._embedded_enqueue).run["id"]
     conn.close()
     run = wait_for_status(api, gone)

@@ -1,0 +1,127 @@
+"""The rows of a batch's new runs, written together: one multi-row INSERT per table.
+
+:func:`runstile.ledger.admission.reserve_many` decides a group commit's admissions in
+order, then hands the new runs to :func:`write_new_runs`, inside the batch's transaction
+(``ledger/group_commit.py``, or the admission writer of ``web/writer.py``).  The rows are
+those :func:`runstile.ledger.admission._reserve` would write one run at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import TYPE_CHECKING, Iterator
+
+from . import broker_queue
+
+if TYPE_CHECKING:
+    from .admission import AdmissionRequest, Reservation
+
+    #: The new runs of a batch: (index in the batch, reservation, new run id), in order.
+    Fresh = list[tuple[int, Reservation, str]]
+
+#: The columns of a runs row, for the row a batch writes (what SELECT * would return).
+_RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_key",
+                "trigger_id", "metadata", "callback_url", "fingerprint",
+                "fingerprint_version", "status", "attempt", "result", "error_code",
+                "error_message", "recovery_attempts", "recovery_reason", "created_at",
+                "updated_at", "started_at", "finished_at", "approval", "owner_node",
+                "owner_generation", "owner_pid", "owner_thread", "lease_expires_at",
+                "interruption")
+_QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
+
+
+def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
+                   now: float) -> Iterator[tuple[int, dict, int]]:
+    """Rows for the new runs of a batch, one INSERT per table; yields (index, the run as
+    ``SELECT *`` would return it, its dispatch id).
+
+    Every new run's rows go by one multi-row INSERT per table (runs, keys, dispatches,
+    events, broker messages) instead of five statements per run.  Fewer statements is
+    what matters: each hands the GIL away while the write lock is held by this process
+    and waited for by every other (measured with 2 web processes on 2 shared CPUs: 1.83
+    -> 1.71 M instructions per admission even in batches of one, and a median of 30% more
+    admissions/s in six interleaved runs).  ``now`` is the ledger clock read in this
+    transaction: every row of the batch gets it.
+    """
+    last_seq = _insert_runs(conn, fresh, now)
+    _insert_keys(conn, fresh, now)
+    first_dispatch = _insert_dispatches(conn, fresh, now)
+    _insert_queued_events(conn, fresh, now)
+    messages: list = []
+    for j, (i, res, run_id) in enumerate(fresh):
+        # AUTOINCREMENT numbers the rows of one INSERT consecutively, in VALUES order.
+        run = _run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now)
+        dispatch_id = first_dispatch + j
+        if res.enqueue is not None:
+            message = getattr(res.enqueue, "message", None)
+            if message is not None:
+                messages.append(message(run, dispatch_id))
+            else:
+                res.enqueue(conn, run, dispatch_id)
+        yield i, run, dispatch_id
+    if messages:
+        broker_queue.insert_messages(conn, messages)
+
+
+def _insert_runs(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
+    """The batch's runs rows; returns the seq of the last one."""
+    args: list = []
+    for _, res, run_id in fresh:
+        req = res.req
+        args += (run_id, req.principal.profile_id, req.principal.key_id, req.task,
+                 req.input_json, req.session_key, req.trigger_id, req.metadata_json,
+                 req.callback_url, req.fingerprint, req.fingerprint_version, now, now)
+    return conn.execute(
+        "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
+        "metadata, callback_url, fingerprint, fingerprint_version, created_at, updated_at, "
+        "status, attempt) VALUES "
+        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
+        args).lastrowid
+
+
+def _insert_keys(conn: sqlite3.Connection, fresh: Fresh, now: float) -> None:
+    """The idempotency records of the batch's new runs that have a key."""
+    keyed = [(res.req, run_id) for _, res, run_id in fresh if res.req.key is not None]
+    if keyed:
+        args: list = []
+        for req, run_id in keyed:
+            args += (req.principal.profile_id, req.principal.key_id, req.key, run_id,
+                     req.fingerprint, req.fingerprint_version, int(req.key_is_derived), now)
+        conn.execute("INSERT INTO idempotency_keys (profile_id, key_id, idempotency_key, "
+                     "run_id, fingerprint, fingerprint_version, derived, created_at) VALUES "
+                     + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(keyed)), args)
+
+
+def _insert_dispatches(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
+    """The batch's dispatch records; returns the id of the first.  Ids are given
+    explicitly (one above the largest, as SQLite would), so that each run knows its own
+    without reading it back."""
+    first_dispatch = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM dispatches").fetchone()[0]
+    args: list = []
+    for j, (_, res, run_id) in enumerate(fresh):
+        args += (first_dispatch + j, run_id, now, now if res.enqueue is not None else None)
+    conn.execute("INSERT INTO dispatches (id, run_id, attempt, reason, created_at, sent_at) "
+                 "VALUES " + ", ".join(["(?, ?, 1, 'admitted', ?, ?)"] * len(fresh)), args)
+    return first_dispatch
+
+
+def _insert_queued_events(conn: sqlite3.Connection, fresh: Fresh, now: float) -> None:
+    args: list = []
+    for _, _, run_id in fresh:
+        args += (run_id, _QUEUED_EVENT, now)
+    conn.execute("INSERT INTO events (run_id, seq, type, data, created_at) VALUES "
+                 + ", ".join(["(?, 1, 'run.queued', ?, ?)"] * len(fresh)), args)
+
+
+def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict:
+    """The runs row a batch wrote, as ``SELECT *`` would return it."""
+    run = dict.fromkeys(_RUN_COLUMNS)
+    run.update(seq=seq, id=run_id, profile_id=req.principal.profile_id,
+               key_id=req.principal.key_id, task=req.task, input=req.input_json,
+               session_key=req.session_key, trigger_id=req.trigger_id,
+               metadata=req.metadata_json, callback_url=req.callback_url,
+               fingerprint=req.fingerprint, fingerprint_version=req.fingerprint_version,
+               status="queued", attempt=1, recovery_attempts=0, created_at=now,
+               updated_at=now)
+    return run
