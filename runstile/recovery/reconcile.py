@@ -140,6 +140,12 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                 break
         report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
             conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
+        for _ in range(MAX_PURGE_BATCHES):
+            pruned = retention.prune_reports(conn, younger_than_s=settings.run_retention_s,
+                                             batch=BATCH)
+            report.counts["reports_pruned"] += pruned
+            if pruned < BATCH:
+                break
         # 7. Record the report (the barrier is opened by the caller).
         report.duration_s = time.monotonic() - started
         report.report_id = recovery.record_report(
@@ -152,8 +158,13 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
         _checkpoint(conn)
     finally:
         conn.close()
-    log.info("recovery (%s, generation %d): %s in %.3fs", trigger, generation,
-             report.as_dict()["counts"] or "nothing to do", report.duration_s)
+    # A scheduled pass that found nothing says so at DEBUG: at INFO it was one line every
+    # RUNSTILE_RECOVERY_INTERVAL_S (8,640 a day) saying nothing.  Boot and `runstile
+    # recover` passes always say what they did.
+    counts = report.as_dict()["counts"]
+    level = logging.DEBUG if trigger == "scheduled" and not counts else logging.INFO
+    log.log(level, "recovery (%s, generation %d): %s in %.3fs", trigger, generation,
+            counts or "nothing to do", report.duration_s)
     return report
 
 
