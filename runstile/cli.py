@@ -169,12 +169,18 @@ def webhooks() -> None:
               help="Make a new secret; the old one keeps signing for "
                    "RUNSTILE_WEBHOOK_ROTATION_GRACE_S.")
 def webhooks_secret(settings, profile, rotate):
-    """Print the profile's signing secret alone on the last line (created if absent)."""
+    """Print the profile's signing secret alone on the last line (created if absent).
+
+    The profile must exist (made by `keys create`); an unknown one is an error, exit 1.
+    """
     from .ledger import webhook_secrets
     from .webhooks import new_secret
     _check_profile(profile)
     secret = webhook_secrets.current(_ledger(settings), profile, new_secret, rotate=rotate,
                                      grace_s=settings.webhook_rotation_grace_s)
+    if secret is None:
+        _fail(f"profile_not_found: no profile {profile!r} (`runstile keys create --profile "
+              f"{profile}` creates it with its first key)")
     if rotate:
         click.echo(f"rotated: the old secret keeps signing for "
                    f"{settings.webhook_rotation_grace_s:g}s", err=True)

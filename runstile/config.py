@@ -164,6 +164,9 @@ class Settings:
     max_body_bytes: int = 1024 * 1024
     #: Non-terminal runs one profile may hold before admission answers 429.
     max_active_runs: int = 10_000
+    #: Runs of one profile running (or stopping) at once across the deployment; None is
+    #: unlimited.  A run over it stays queued until a slot frees (ledger/profile_slots.py).
+    max_running_per_profile: int | None = None
     #: Task used when a POST names none; unset means ``task`` is required.
     default_task: str | None = None
     #: Seconds ``Retry-After`` suggests on 503 and 429 answers.
@@ -296,6 +299,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_LIST_QUERY_TIMEOUT_MS": (_positive_int, "list query time limit, ms"),
     "RUNSTILE_MAX_BODY_BYTES": (_positive_int, "request body cap, bytes"),
     "RUNSTILE_MAX_ACTIVE_RUNS": (_positive_int, "non-terminal runs per profile"),
+    "RUNSTILE_MAX_RUNNING_PER_PROFILE": (_positive_int, "running runs per profile"),
     "RUNSTILE_DEFAULT_TASK": (_optional_text, "task used when none is named"),
     "RUNSTILE_RETRY_AFTER_S": (_positive_int, "Retry-After on 503/429, s"),
     "RUNSTILE_RUN_RETENTION_S": (_non_negative_float, "terminal run retention, s"),

@@ -66,10 +66,26 @@ def fail(ctx, input):
     raise ValueError("the demo task 'fail' always fails")
 
 
+#: Longest sleep the demo task ``slow`` accepts, in seconds: a demo must not let one
+#: client hold a worker thread for hours (docs/guarantees.md, "What a hostile client
+#: cannot do").
+SLOW_MAX_SECONDS = 60.0
+
+
+def _slow_seconds(input) -> float:
+    raw = input.get("seconds", 30) if isinstance(input, dict) else 30
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not \
+            0 <= raw <= SLOW_MAX_SECONDS:
+        raise ValueError(f"the demo task 'slow' takes \"seconds\": a number from 0 to "
+                         f"{SLOW_MAX_SECONDS:g}, not {raw!r}"[:300])
+    return float(raw)
+
+
 @task("slow")
 def slow(ctx, input):
-    """Sleep in small slices, honouring stop requests; ``input`` = {"seconds": s}."""
-    seconds = float((input or {}).get("seconds", 30)) if isinstance(input, dict) else 30.0
+    """Sleep in small slices, honouring stop requests; ``input`` = {"seconds": s}, at most
+    SLOW_MAX_SECONDS (the run fails task_error beyond)."""
+    seconds = _slow_seconds(input)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         ctx.checkpoint()

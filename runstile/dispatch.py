@@ -213,7 +213,7 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
                     limit: int = PENDING_BATCH, older_than_s: float = 0.0,
                     created_since: float | None = None, run_ids: Sequence[str] | None = None,
                     session: tuple[str, str, str] | None = None,
-                    delay_s: float = 0.0) -> int:
+                    profile: str | None = None, delay_s: float = 0.0) -> int:
     """Publish up to ``limit`` unsent dispatch records of queued runs (filters as in
     ``ledger.dispatches.unsent``), oldest first; returns how many the broker took.
     Called right after transactions that re-queue without an in-transaction enqueue, and
@@ -223,7 +223,7 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
     try:
         pending = dispatches.unsent(conn, limit=limit, older_than_s=older_than_s,
                                     created_since=created_since, run_ids=run_ids,
-                                    session=session)
+                                    session=session, profile=profile)
     except RunstileError as exc:
         log.warning("could not read unsent dispatch records (%s); recovery retries",
                     exc.message)

@@ -12,7 +12,7 @@ import secrets
 import sqlite3
 
 from ..errors import ApprovalAlreadyResolved, ApprovalNotPending
-from . import db, events
+from . import db, events, profile_slots
 from .db import NOW
 from .execution import Owner, owns
 from .runs import Enqueue, add_dispatch
@@ -21,10 +21,14 @@ DECISIONS = ("approve", "deny")
 
 
 def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
-            args_hash: str, details: object) -> dict | None:
+            args_hash: str, details: object, enqueue: Enqueue | None = None) -> dict | None:
     """running -> waiting_for_approval, fenced on the lease, in one transaction; the
     lease is released so the worker thread is free at once.  Returns the approval
-    object, or None if this worker no longer owns the run."""
+    object, or None if this worker no longer owns the run.
+
+    The run keeps its session's head, but not its profile's slot: a waiting run runs
+    nothing, so the slot goes to the profile's oldest waiting run (ledger/profile_slots.py).
+    """
     with db.transaction(conn):
         run = owns(conn, run_id, owner)
         if run is None or run["status"] != "running":
@@ -45,6 +49,7 @@ def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: in
             (approval_id, json.dumps(details), run_id)).fetchone()
         events.append(conn, run_id, "approval.requested",
                       {"approval_id": approval_id, "details": details})
+        profile_slots.dispatch_next(conn, run, enqueue)
         return json.loads(row[0])
 
 

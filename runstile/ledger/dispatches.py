@@ -16,29 +16,19 @@ from typing import Sequence
 
 from . import db
 from .db import NOW
-
-#: A queued run of a session may be claimed only when nothing holds its session and it
-#: is the session's head: resumed runs first, then admission order (SPEC §5).  Recovery
-#: re-publishes only such runs; the others wait for whatever frees their session.
-_CLAIMABLE = (
-    "(r.session_key IS NULL OR (NOT EXISTS (SELECT 1 FROM runs h WHERE "
-    "h.profile_id = r.profile_id AND h.key_id = r.key_id AND h.session_key = r.session_key "
-    "AND h.status IN ('running', 'stopping', 'waiting_for_approval')) AND NOT EXISTS "
-    "(SELECT 1 FROM runs q WHERE q.profile_id = r.profile_id AND q.key_id = r.key_id AND "
-    "q.session_key = r.session_key AND q.status = 'queued' AND q.id != r.id AND "
-    "((q.recovery_reason IS 'resumed') > (r.recovery_reason IS 'resumed') OR "
-    "((q.recovery_reason IS 'resumed') = (r.recovery_reason IS 'resumed') AND q.seq < r.seq)))))")
+from .sessions import CLAIMABLE
 
 
 def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
            created_since: float | None = None, run_ids: Sequence[str] | None = None,
-           session: tuple[str, str, str] | None = None) -> list[tuple[int, str]]:
+           session: tuple[str, str, str] | None = None,
+           profile: str | None = None) -> list[tuple[int, str]]:
     """``(dispatch id, run id)`` of unsent records whose run is still queued, oldest first.
 
     ``older_than_s`` leaves alone records a publisher is probably handling right now;
     ``created_since`` (a ledger time) brings back younger ones anyway (those a recovery
-    pass wrote itself).  ``run_ids`` / ``session`` (profile, key id, session key) narrow
-    the search to what one transition just made claimable.
+    pass wrote itself).  ``run_ids`` / ``session`` (profile, key id, session key) /
+    ``profile`` narrow the search to what one transition just made claimable.
     """
     clauses, args = ["d.sent_at IS NULL", "r.status = 'queued'"], []
     if created_since is None:
@@ -55,6 +45,9 @@ def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
     if session is not None:
         clauses.append("r.profile_id = ? AND r.key_id = ? AND r.session_key = ?")
         args += list(session)
+    if profile is not None:
+        clauses.append("r.profile_id = ?")
+        args.append(profile)
     with db.ledger_errors():
         rows = conn.execute(
             "SELECT d.id, d.run_id FROM dispatches d JOIN runs r ON r.id = d.run_id "
@@ -88,6 +81,9 @@ def lost_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) ->
         rows = conn.execute(
             f"SELECT r.* FROM runs r WHERE r.status = 'queued' AND r.updated_at <= {NOW} - ? "
             "AND NOT EXISTS (SELECT 1 FROM dispatches d WHERE d.run_id = r.id AND "
-            f"(d.sent_at IS NULL OR d.sent_at > {NOW} - ?)) AND {_CLAIMABLE} "
+            f"(d.sent_at IS NULL OR d.sent_at > {NOW} - ?)) AND {CLAIMABLE} "
+            # A run waiting for a slot of its profile has no message on purpose: whatever
+            # frees a slot dispatches it, and recovery step 5 covers a lost one.
+            "AND r.slot_wait_since IS NULL "
             "ORDER BY r.updated_at LIMIT ?", (older_than_s, older_than_s, limit)).fetchall()
     return [dict(r) for r in rows]

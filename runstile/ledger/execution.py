@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from . import db, events, sessions
+from . import db, events, profile_slots, sessions
 from .db import NOW
 from .runs import Enqueue, add_dispatch
 
@@ -46,7 +46,8 @@ class Claim:
 
 
 def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
-          task_known, enqueue: Enqueue | None = None) -> Claim:
+          task_known, enqueue: Enqueue | None = None,
+          max_running_per_profile: int | None = None) -> Claim:
     """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
 
     Race: two workers holding duplicate messages both get here; the write lock orders
@@ -64,31 +65,43 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
             # dispatch the next run, so this message is a no-op.
             return Claim(None, refusal)
         if not task_known(row["task"]):
-            failed = conn.execute(
-                "UPDATE runs SET status = 'failed', error_code = 'unknown_task', "
-                "error_message = ?, finished_at = " + NOW + ", updated_at = " + NOW + " "
-                "WHERE id = ? AND status = 'queued' RETURNING id, attempt",
-                (f"no task named {row['task']!r} is registered on this worker", run_id),
-            ).fetchone()
-            if failed is not None:
-                events.append(conn, run_id, "run.failed", {
-                    "attempt": failed["attempt"],
-                    "error": {"code": "unknown_task",
-                              "message": f"no task named {row['task']!r} is registered"}})
-                sessions.dispatch_next(conn, dict(row), enqueue)
+            _fail_unknown_task(conn, dict(row), enqueue)
             return Claim(None, "unknown_task")
+        refusal = profile_slots.claim_refusal(conn, dict(row), max_running_per_profile)
+        if refusal is not None:
+            # Its profile holds its cap of running runs.  The refusal marked the run as
+            # waiting, and whatever frees one of those slots dispatches it (under this
+            # same write lock, so the two are ordered), so this message is a no-op.
+            return Claim(None, refusal)
         run = conn.execute(
             "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
             f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
             f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, "
-            "interruption = NULL WHERE id = ? AND status = 'queued' RETURNING *",
-            (*_owner_args(owner), lease_s, run_id)).fetchone()
+            "interruption = NULL, slot_wait_since = NULL WHERE id = ? AND status = 'queued' "
+            "RETURNING *", (*_owner_args(owner), lease_s, run_id)).fetchone()
         if run is None:
             return Claim(None, "not_queued")
         run = dict(run)
         events.append(conn, run_id, "run.started",
                       {"attempt": run["attempt"], "owner": owner.as_dict()})
         return Claim(run, "claimed")
+
+
+def _fail_unknown_task(conn: sqlite3.Connection, row: dict, enqueue: Enqueue | None) -> None:
+    """queued -> failed(unknown_task), in the claim's transaction: the task is not
+    registered on this worker.  It never ran, so it frees its session, not a slot."""
+    failed = conn.execute(
+        "UPDATE runs SET status = 'failed', error_code = 'unknown_task', "
+        "error_message = ?, finished_at = " + NOW + ", updated_at = " + NOW + " "
+        "WHERE id = ? AND status = 'queued' RETURNING id, attempt",
+        (f"no task named {row['task']!r} is registered on this worker", row["id"]),
+    ).fetchone()
+    if failed is not None:
+        events.append(conn, row["id"], "run.failed", {
+            "attempt": failed["attempt"],
+            "error": {"code": "unknown_task",
+                      "message": f"no task named {row['task']!r} is registered"}})
+        sessions.dispatch_next(conn, row, enqueue)
 
 
 def heartbeat(conn: sqlite3.Connection, node: str, generation: int, pid: int,
@@ -144,6 +157,7 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
             data["error"] = {"code": error_code, "message": error_message}
         events.append(conn, run_id, f"run.{run['status']}", data)
         sessions.dispatch_next(conn, dict(run), enqueue)
+        profile_slots.dispatch_next(conn, dict(run), enqueue)
         return dict(run)
 
 
@@ -199,6 +213,7 @@ def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str,
             return None
         events.append(conn, run_id, "run.paused", {"reason": reason})
         sessions.dispatch_next(conn, dict(run), enqueue)
+        profile_slots.dispatch_next(conn, dict(run), enqueue)
         return dict(run)
 
 
@@ -227,6 +242,10 @@ def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, 
         events.append(conn, run_id, event_type,
                       {"reason": reason, "attempt": run["attempt"], **(event_data or {})})
         add_dispatch(conn, run, reason, enqueue)
+        if "running" in from_statuses or "stopping" in from_statuses:
+            # It left its slot: the profile's oldest waiting run may take it (this run,
+            # queued again, competes for it like any other; its claim decides).
+            profile_slots.dispatch_next(conn, run, enqueue)
         return run
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from . import db, events, sessions
+from . import db, events, profile_slots, sessions
 from .db import NOW
 from .journal import uncertain_steps
 from .runs import Enqueue, add_dispatch
@@ -90,6 +90,7 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
         events.append(conn, run["id"], "run.requeued",
                       {"reason": reason, "attempt": row["attempt"]})
         add_dispatch(conn, row, "recovered", enqueue)
+        profile_slots.dispatch_next(conn, run, enqueue)
         return True
     if klass == "paused":
         row = conn.execute(
@@ -102,6 +103,7 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
             data["steps"] = uncertain_steps(conn, run["id"])
         events.append(conn, run["id"], "run.paused", data)
         sessions.dispatch_next(conn, run, enqueue)
+        profile_slots.dispatch_next(conn, run, enqueue)
         return True
     terminal = {"cancelled": ("cancelled", None, None),
                 "interrupted": ("interrupted", "owner_lost",
@@ -117,6 +119,7 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
                   {"reason": reason} if code is None else
                   {"reason": reason, "error": {"code": code, "message": message}})
     sessions.dispatch_next(conn, run, enqueue)
+    profile_slots.dispatch_next(conn, run, enqueue)
     return True
 
 
@@ -193,17 +196,22 @@ def apply_terminal_many(conn: sqlite3.Connection, decisions: list[tuple[dict, st
             run = by_id[rid][0]
             if run.get("session_key") is not None:
                 sessions.dispatch_next(conn, run, enqueue)
+        # Each run left a slot of its profile: one lookup per profile, not per run.
+        profile_slots.dispatch_freed(conn, (by_id[rid][0] for rid in ids), enqueue)
         won += ids
     return won
 
 
 def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) -> list[dict]:
     """Queued runs, idle longer than ``older_than_s``, with no live message in the
-    embedded broker (a message that was dead-lettered, flushed or lost)."""
+    embedded broker (a message that was dead-lettered, flushed or lost).  Not those
+    waiting for a slot of their profile: they have no message on purpose, and step 5
+    hands them out (ledger/profile_slots.py)."""
     rows = conn.execute(
         f"SELECT * FROM runs WHERE status = 'queued' AND updated_at <= {NOW} - ? AND NOT EXISTS "
         "(SELECT 1 FROM broker_messages m WHERE m.run_id = runs.id AND m.state != 'dead') "
-        "ORDER BY updated_at LIMIT ?", (older_than_s, limit)).fetchall()
+        "AND slot_wait_since IS NULL ORDER BY updated_at LIMIT ?",
+        (older_than_s, limit)).fetchall()
     return [dict(r) for r in rows]
 
 

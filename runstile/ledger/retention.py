@@ -1,4 +1,5 @@
-"""Retention (SPEC §8): purge old terminal runs, leaving tombstones; purge old tombstones.
+"""Retention (docs/operations.md "Retention"): purge old terminal runs, leaving
+tombstones; purge old tombstones; prune old recovery reports.
 
 Called by the scheduled recovery job in bounded batches, never on the request path.
 Non-terminal runs are never touched: the WHERE clause names terminal statuses only; nor
@@ -13,6 +14,11 @@ from dataclasses import dataclass
 from . import db
 from .db import NOW
 from .states import TERMINAL, sql_list
+
+
+#: Recovery reports always kept, newest first, whatever their age: enough to read a few
+#: hours of scheduled passes of a node (one every RUNSTILE_RECOVERY_INTERVAL_S) back.
+REPORTS_KEPT = 1000
 
 
 @dataclass(frozen=True)
@@ -55,3 +61,19 @@ def purge(conn: sqlite3.Connection, *, run_retention_s: float, key_tombstone_s: 
             "(SELECT profile_id, key_id, idempotency_key FROM key_tombstones "
             f"WHERE expires_at <= {NOW} LIMIT ?)", (batch,)).rowcount
     return PurgeReport(runs=len(victims), tombstones=expired)
+
+
+def prune_reports(conn: sqlite3.Connection, *, younger_than_s: float, keep: int = REPORTS_KEPT,
+                  batch: int = 500) -> int:
+    """Delete one batch of recovery reports that are neither among the newest ``keep``
+    nor younger than ``younger_than_s`` (the run retention); returns how many.  A
+    scheduled pass writes one every RUNSTILE_RECOVERY_INTERVAL_S (8,640 a day at 10 s),
+    so without this the table only grows.  Call again while it reports a full batch."""
+    with db.transaction(conn):
+        # ids grow with time (AUTOINCREMENT): "newest" is the largest ids.  Below the
+        # keep-th newest id only the age decides.
+        return conn.execute(
+            "DELETE FROM recovery_reports WHERE id IN (SELECT id FROM recovery_reports "
+            "WHERE id < (SELECT id FROM recovery_reports ORDER BY id DESC LIMIT 1 OFFSET ?) "
+            f"AND finished_at <= {NOW} - ? ORDER BY id LIMIT ?)",
+            (keep - 1, younger_than_s, batch)).rowcount

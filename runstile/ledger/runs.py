@@ -40,6 +40,10 @@ def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
         "INSERT INTO dispatches (run_id, attempt, reason, created_at, sent_at) "
         f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END)",
         (run["id"], run["attempt"], reason, enqueue is not None)).lastrowid
+    if run.get("slot_wait_since") is not None:
+        # It waited for a slot of its profile without a message; now it has one, so a
+        # freed slot must not be handed to it a second time (ledger/profile_slots.py).
+        conn.execute("UPDATE runs SET slot_wait_since = NULL WHERE id = ?", (run["id"],))
     if enqueue is not None:
         enqueue(conn, run, dispatch_id)
     return dispatch_id

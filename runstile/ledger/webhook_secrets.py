@@ -15,10 +15,13 @@ from .db import NOW
 
 
 def current(conn: sqlite3.Connection, profile_id: str, new_secret: Callable[[], str], *,
-            rotate: bool = False, grace_s: float = 0.0) -> str:
+            rotate: bool = False, grace_s: float = 0.0) -> str | None:
     """The profile's current secret, created if it has none; with ``rotate`` a new one
-    replaces it and the old one keeps signing for ``grace_s`` seconds."""
+    replaces it and the old one keeps signing for ``grace_s`` seconds.  None, changing
+    nothing, when no such profile exists (a typo must not leave a secret behind)."""
     with db.transaction(conn):
+        if conn.execute("SELECT 1 FROM profiles WHERE id = ?", (profile_id,)).fetchone() is None:
+            return None
         if rotate:
             conn.execute(f"UPDATE webhook_secrets SET retires_at = {NOW} + ? "
                          "WHERE profile_id = ? AND retires_at IS NULL", (grace_s, profile_id))

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from .. import crashpoints, dispatch
 from ..config import Settings
 from ..errors import LedgerUnavailable
-from ..ledger import (broker_queue, db, dispatches, migrations, obligations, recovery, retention,
-                      sessions)
 from .. import tasks as registry
+from ..ledger import (broker_queue, db, dispatches, migrations, obligations, profile_slots,
+                      recovery, retention, sessions)
 
 log = logging.getLogger("runstile.recovery")
 
@@ -121,13 +121,15 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                 if len(stale) < BATCH:
                     break
         # 5. Dispatch the head of every session left without a holder (its freeing
-        #    transition dispatched it already; this covers a message lost since).
+        #    transition dispatched it already; this covers a message lost since), and the
+        #    runs waiting for a free slot of their profile.
         with db.transaction(conn):
             for head in sessions.heads_without_dispatch(conn, limit=BATCH):
                 if head["updated_at"] is not None and recovery.ledger_now(conn) - \
                         head["updated_at"] > REPUBLISH_AFTER_LEASES * settings.lease_s:
                     if recovery.republish(conn, head, enqueue) if enqueue else False:
                         report.counts["session_heads"] += 1
+        _dispatch_slot_waiters(settings, conn, report, enqueue)
         # 6. Purge by retention, in bounded batches.
         for _ in range(MAX_PURGE_BATCHES):
             purged = retention.purge(conn, run_retention_s=settings.run_retention_s,
@@ -138,6 +140,12 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                 break
         report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
             conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
+        for _ in range(MAX_PURGE_BATCHES):
+            pruned = retention.prune_reports(conn, younger_than_s=settings.run_retention_s,
+                                             batch=BATCH)
+            report.counts["reports_pruned"] += pruned
+            if pruned < BATCH:
+                break
         # 7. Record the report (the barrier is opened by the caller).
         report.duration_s = time.monotonic() - started
         report.report_id = recovery.record_report(
@@ -150,8 +158,13 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
         _checkpoint(conn)
     finally:
         conn.close()
-    log.info("recovery (%s, generation %d): %s in %.3fs", trigger, generation,
-             report.as_dict()["counts"] or "nothing to do", report.duration_s)
+    # A scheduled pass that found nothing says so at DEBUG: at INFO it was one line every
+    # RUNSTILE_RECOVERY_INTERVAL_S (8,640 a day) saying nothing.  Boot and `runstile
+    # recover` passes always say what they did.
+    counts = report.as_dict()["counts"]
+    level = logging.DEBUG if trigger == "scheduled" and not counts else logging.INFO
+    log.log(level, "recovery (%s, generation %d): %s in %.3fs", trigger, generation,
+            counts or "nothing to do", report.duration_s)
     return report
 
 
@@ -233,6 +246,24 @@ def _republish_external(settings: Settings, conn, report: Report, *, trigger: st
         report.counts["published"] += dispatch.publish_pending(settings, conn, limit=BATCH,
                                                                run_ids=run_ids)
         if len(lost) < BATCH:
+            break
+
+
+def _dispatch_slot_waiters(settings: Settings, conn, report: Report, enqueue) -> None:
+    """Step 5, second half: queued runs a claim refused for their profile's cap
+    (ledger/profile_slots.py) whose profile now has a free slot.  The transition that
+    freed it dispatched one already; this covers a message lost since and a cap raised
+    or removed at a restart.  With a cap, one batch per pass: a dispatched run holds no
+    slot until its claim, so a second batch would hand the same free slots out again."""
+    cap = settings.max_running_per_profile
+    for _ in range(MAX_PUBLISH_BATCHES if cap is None else 1):
+        with db.transaction(conn):
+            run_ids = profile_slots.dispatch_stranded(conn, cap, enqueue, limit=BATCH)
+        report.counts["slot_waiters"] += len(run_ids)
+        if enqueue is None:  # Redis/RabbitMQ: publish the records now
+            report.counts["published"] += dispatch.publish_pending(settings, conn,
+                                                                   limit=BATCH, run_ids=run_ids)
+        if len(run_ids) < BATCH:
             break
 
 

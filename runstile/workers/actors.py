@@ -54,9 +54,10 @@ class Executor:
         owner = self.owner()
         conn = self.pool.get()
         try:
-            claim = execution.claim(conn, run_id, owner, lease_s=self.settings.lease_s,
-                                    enqueue=self.enqueue,
-                                    task_known=lambda name: registry.get(name) is not None)
+            claim = execution.claim(
+                conn, run_id, owner, lease_s=self.settings.lease_s, enqueue=self.enqueue,
+                task_known=lambda name: registry.get(name) is not None,
+                max_running_per_profile=self.settings.max_running_per_profile)
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.
             log.warning("run %s: claim failed (%s); retrying in %d ms", run_id, exc.message,
@@ -112,10 +113,9 @@ class Executor:
             if not isinstance(exc, LeaseLostInterrupt):
                 # A pause, a parked approval or a time limit may owe its callback a notice.
                 dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
-            if isinstance(exc, (PausedInterrupt, TimeLimitInterrupt)) and run["session_key"]:
-                # The pause or the failure freed the session: publish its next run's
-                # dispatch now (Redis/RabbitMQ; the embedded broker's committed with it).
-                self._publish_session_successor(run)
+                # And each freed the run's profile slot (all but the approval wait, its
+                # session too): publish what that dispatched.
+                self._publish_successors(run)
             return
         except Stopped:
             # The grace interrupt landed after the body had already returned: still a stop.
@@ -137,14 +137,20 @@ class Executor:
             # The terminal write created the callback obligation; hand it to a deliverer
             # now (if this process dies first, recovery's sweep sends it).
             dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
-        if finished["session_key"] is not None:
-            # The run freed its session: publish the next run's dispatch (Redis/RabbitMQ;
-            # the embedded broker's message committed with the outcome).
-            self._publish_session_successor(finished)
+        # The run freed its session and its profile slot: publish what that dispatched.
+        self._publish_successors(finished)
 
-    def _publish_session_successor(self, run: dict) -> None:
-        dispatch.publish_pending(self.settings, self.pool.get(), session=(
-            run["profile_id"], run["key_id"], run["session_key"]))
+    def _publish_successors(self, run: dict) -> None:
+        """After a transition that freed ``run``'s session or profile slot: publish the
+        dispatch records it wrote (Redis/RabbitMQ; the embedded broker's messages
+        committed with the transition).  With a cap, every unsent record of the profile:
+        its session's next run is one of them."""
+        if self.settings.max_running_per_profile is not None:
+            dispatch.publish_pending(self.settings, self.pool.get(),
+                                     profile=run["profile_id"])
+        elif run["session_key"] is not None:
+            dispatch.publish_pending(self.settings, self.pool.get(), session=(
+                run["profile_id"], run["key_id"], run["session_key"]))
 
     def _retry(self, run: dict, owner: Owner, spec: registry.TaskSpec, outcome: dict) -> bool:
         """SPEC §5 task retries: a raising body with retries left is re-queued with
@@ -165,9 +171,11 @@ class Executor:
         if requeued is not None:
             log.info("run %s: attempt %d failed; retry as attempt %d in %.1fs", run["id"],
                      run["attempt"], requeued["attempt"], spec.retry_backoff_s)
-            # Redis/RabbitMQ: publish the re-queue's dispatch now, as a delayed message.
+            # Redis/RabbitMQ: publish the re-queue's dispatch now, as a delayed message,
+            # then whatever the slot it left was handed to.
             dispatch.publish_pending(self.settings, self.pool.get(), run_ids=[run["id"]],
                                      delay_s=spec.retry_backoff_s)
+            self._publish_successors(requeued)
             return True
         return False
 

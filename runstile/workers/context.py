@@ -237,7 +237,8 @@ class RunContext:
                 raise RuntimeError("the run was re-queued while its approval is undecided")
             return decision == "approve"
         parked = approvals.request(self._conn, self.run_id, self._owner, position=position,
-                                   args_hash=digest, details=json.loads(encoded))
+                                   args_hash=digest, details=json.loads(encoded),
+                                   enqueue=self._enqueue)
         if parked is None:
             raise LeaseLostInterrupt(self.run_id)
         raise ApprovalParked(parked["approval_id"])

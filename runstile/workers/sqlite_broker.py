@@ -59,6 +59,9 @@ from dramatiq.middleware import Middleware
 from ..errors import RunstileError
 from ..ledger import broker_queue, db
 
+#: Actor name of the placeholder :meth:`SQLiteBroker.dead_letters` lists for a dead
+#: letter whose body cannot be decoded (no actor has it: it can never run).
+UNDECODABLE_ACTOR = "<undecodable>"
 #: Seconds a consumer may go without a heartbeat before its claimed rows go back to
 #: ready (Dramatiq's Redis broker uses 60).  A dead process's prefetched messages wait
 #: this long; a live one renews well within it.
@@ -270,10 +273,29 @@ class SQLiteBroker(Broker):
                                           [q_name(queue_name), dq_name(queue_name)])
 
     def dead_letters(self, queue_name: str) -> list[Message]:
-        """The dead-lettered messages of a queue (and its delay queue), oldest first."""
+        """The dead-lettered messages of a queue (and its delay queue), oldest first.
+
+        A row whose body cannot be decoded (the consumer dead-letters such a row instead
+        of handing it to a worker) is listed as a placeholder rather than skipped, so the
+        listing still shows every dead letter and one bad row never breaks it: a Message
+        with the row's queue and message id, actor :data:`UNDECODABLE_ACTOR`, no
+        arguments, and options ``{"undecodable": True, "delivery_id": <row id>}``.  A
+        warning names the row.
+        """
         rows = broker_queue.dead_letters(self.pool.get(), [q_name(queue_name),
                                                            dq_name(queue_name)])
-        return [Message.decode(bytes(row["body"])) for row in rows]
+        return [self._dead_letter(row) for row in rows]
+
+    def _dead_letter(self, row) -> Message:
+        try:
+            return Message.decode(bytes(row["body"]))
+        except DecodeError as exc:
+            self.logger.warning("Dead letter %d on queue %r cannot be decoded (%s); listed "
+                                "as a placeholder.", row["id"], row["queue_name"], exc)
+            return Message(queue_name=row["queue_name"], actor_name=UNDECODABLE_ACTOR,
+                           args=(), kwargs={}, message_id=row["message_id"],
+                           message_timestamp=int((row["dead_at"] or 0) * 1000),
+                           options={"undecodable": True, "delivery_id": row["id"]})
 
     def close(self) -> None:
         """Stop this process's heartbeat thread and close this thread's connection."""

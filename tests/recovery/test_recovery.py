@@ -5,6 +5,7 @@ a real ``runstile up`` and starting it again."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -261,6 +262,63 @@ def test_retention_runs_inside_recovery(ledger):
                                 trigger="scheduled")
     assert report.counts["purged"] == 1
     assert ledger.query("SELECT COUNT(*) FROM run_tombstones WHERE run_id = ?", (rid,)) == [(1,)]
+
+
+def seed_reports(ledger, count: int, *, age_s: float) -> None:
+    """``count`` recovery reports of passes that finished ``age_s`` seconds ago."""
+    conn = ledger.connect()
+    with db.transaction(conn):
+        conn.executemany(
+            "INSERT INTO recovery_reports (node_id, generation, trigger, started_at, "
+            f"finished_at, counts) VALUES ('node-a', 1, 'scheduled', {db.NOW} - ?1, "
+            f"{db.NOW} - ?1, '{{}}')", [(age_s,)] * count)
+    conn.close()
+
+
+def report_ages(ledger, retention_s: float) -> tuple[int, int]:
+    """(reports older than ``retention_s``, younger ones)."""
+    return ledger.query(f"SELECT SUM(finished_at <= {db.NOW} - ?), SUM(finished_at > "
+                        f"{db.NOW} - ?) FROM recovery_reports", (retention_s, retention_s))[0]
+
+
+def test_a_pass_keeps_the_newest_1000_recovery_reports_and_every_younger_one(ledger):
+    day = 24 * 3600.0
+    settings = settings_for(ledger, run_retention_s=day)
+    seed_reports(ledger, 1500, age_s=3 * day)  # a scheduled pass every 10 s for 4 hours
+    newest = ledger.query("SELECT MIN(id) FROM (SELECT id FROM recovery_reports "
+                          "ORDER BY id DESC LIMIT 1000)")[0][0]
+    report = reconcile.run_pass(settings, generation=1, trigger="scheduled")
+    assert report.counts["reports_pruned"] == 500
+    # The newest 1,000 old ones stay, and the pass's own (young) report.
+    assert report_ages(ledger, day) == (1000, 1)
+    assert ledger.query("SELECT MIN(id) FROM recovery_reports")[0][0] == newest
+    # Young reports are kept however many there are; the old ones now fall outside the
+    # newest 1,000 and go.
+    seed_reports(ledger, 1200, age_s=60)
+    report = reconcile.run_pass(settings, generation=1, trigger="scheduled")
+    assert report.counts["reports_pruned"] == 1000
+    assert report_ages(ledger, day) == (0, 1202)
+    assert reconcile.run_pass(settings, generation=1,
+                              trigger="scheduled").counts["reports_pruned"] == 0
+
+
+def test_a_scheduled_pass_logs_at_info_only_when_it_did_something(ledger, caplog):
+    caplog.set_level(logging.DEBUG, logger="runstile.recovery")
+
+    def pass_lines(trigger: str) -> list[tuple[int, str]]:
+        caplog.clear()
+        reconcile.run_pass(settings_for(ledger), generation=1, trigger=trigger)
+        return [(r.levelno, r.getMessage()) for r in caplog.records
+                if r.getMessage().startswith("recovery (")]
+
+    quiet = pass_lines("scheduled")
+    assert [level for level, _ in quiet] == [logging.DEBUG], quiet
+    assert "nothing to do" in quiet[0][1]
+    assert [level for level, _ in pass_lines("boot")] == [logging.INFO]
+    assert [level for level, _ in pass_lines("command")] == [logging.INFO]
+    crashed_run(ledger, ledger.key(), "t.hold")
+    busy = pass_lines("scheduled")
+    assert [level for level, _ in busy] == [logging.INFO] and "interrupted" in busy[0][1]
 
 
 def test_the_barrier_opens_only_when_this_boots_recovery_finished(ledger):

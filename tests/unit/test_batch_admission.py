@@ -137,3 +137,11 @@ def test_a_batch_of_waiting_admissions_runs_through_one_reserve_many(ledger, tmp
     assert [u.error for u in units] == [None, None, None]
     assert [u.result.replayed for u in units] == [False, False, True]
     assert units[0].result.run["id"] == units[2].result.run["id"]
+
+
+def test_the_row_a_batch_returns_names_every_column_of_runs_in_order(ledger):
+    """A batch builds the new run's row itself (what SELECT * would return): a column a
+    migration adds must be named there too, or every batched admission answers without it."""
+    from runstile.ledger.admission_rows import _RUN_COLUMNS
+    conn, _ = ledger
+    assert _RUN_COLUMNS == tuple(r["name"] for r in conn.execute("PRAGMA table_info(runs)"))

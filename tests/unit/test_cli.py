@@ -115,6 +115,8 @@ def test_the_console_script_runs_as_a_process(tmp_path):
 
 def test_webhooks_secret_is_stable_until_rotated_and_refuses_a_bad_profile(tmp_path, capsys):
     from runstile import webhooks
+    assert run(["keys", "create", "--profile", "acme", "--data-dir", str(tmp_path)],
+               capsys)[0] == 0
     args = ["webhooks", "secret", "--profile", "acme", "--data-dir", str(tmp_path)]
     code, first, _ = run(args, capsys)
     assert code == 0
@@ -126,6 +128,20 @@ def test_webhooks_secret_is_stable_until_rotated_and_refuses_a_bad_profile(tmp_p
     assert run(args, capsys)[1].strip().splitlines()[-1] == rotated.strip().splitlines()[-1]
     assert run(["webhooks", "secret", "--profile", "no spaces!", "--data-dir",
                 str(tmp_path)], capsys)[0] == 2
+
+
+def test_webhooks_secret_for_a_profile_that_does_not_exist_is_refused_and_makes_nothing(
+        tmp_path, capsys):
+    assert run(["keys", "create", "--profile", "acme", "--data-dir", str(tmp_path)],
+               capsys)[0] == 0
+    for extra in ([], ["--rotate"]):
+        code, out, err = run(["webhooks", "secret", "--profile", "nosuch", *extra,
+                              "--data-dir", str(tmp_path)], capsys)
+        assert code == 1 and out == ""
+        assert "error: profile_not_found: no profile 'nosuch'" in err
+    conn = sqlite3.connect(tmp_path / "ledger.db")
+    assert conn.execute("SELECT COUNT(*) FROM webhook_secrets").fetchone()[0] == 0
+    assert conn.execute("SELECT id FROM profiles").fetchall() == [("acme",)]
 
 
 def test_deliveries_commands_validate_ids_and_report_unknown_ones(tmp_path, capsys):

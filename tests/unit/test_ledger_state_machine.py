@@ -12,6 +12,8 @@ order, on a real SQLite file.  Each call's answer is checked against the rule SP
   ending in its status, with at most one terminal event, the last of its run events, and
   ``attempt`` = 1 + the re-queues and resumes;
 - at most one running, stopping or waiting run per session;
+- at most MAX_RUNNING_PER_PROFILE running or stopping runs per profile, and a run is
+  marked as waiting for a slot only while it is queued (or after it ended);
 - a run is running or stopping only with a whole owner and a lease, and holds a lease
   only then;
 - ``profiles.active_runs`` is the count of non-terminal runs;
@@ -54,6 +56,8 @@ TASKS = ("t.hold", "t.hold_resume", "t.hold_pause", "t.gone")
 RUN_IDS = ("run_" + "a" * 32, "run_" + "b" * 32)
 #: Per profile: small, so that admissions meet the limit now and then.
 MAX_ACTIVE_RUNS = 5
+#: Per profile, so that claims meet the cap (RUNSTILE_MAX_RUNNING_PER_PROFILE) now and then.
+MAX_RUNNING_PER_PROFILE = 1
 LONG_LEASE_S = 3600.0
 CALLBACK_URL = "https://hooks.example/runs"
 HOLDING = ("running", "stopping", "waiting_for_approval")
@@ -94,7 +98,8 @@ class LedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="ledger-machine-"))
         self.settings = Settings(data_dir=self.folder, node_id=NODE, synchronous="OFF",
-                                 max_active_runs=MAX_ACTIVE_RUNS, recovery_budget=2)
+                                 max_active_runs=MAX_ACTIVE_RUNS, recovery_budget=2,
+                                 max_running_per_profile=MAX_RUNNING_PER_PROFILE)
         migrations.migrate(self.settings.ledger_path, synchronous="OFF")
         self.conn = db.connect(self.settings.ledger_path, synchronous="OFF")
         self.enqueue = dispatch.in_transaction_enqueue(self.settings)
@@ -235,14 +240,32 @@ class LedgerMachine(RuleBasedStateMachine):
     def claim(self, data, node, pid, known):
         """A worker that got the run's message (or a duplicate) claims it; ``known`` is
         whether that worker has the run's task."""
-        run = self.pick(data, ("queued",))
+        self._claim(self.pick(data, ("queued",)), node, pid, known)
+
+    @precondition(lambda m: m.queued_of_busy_profiles())
+    @rule(data=st.data(), pid=st.integers(1, 2))
+    def claim_in_a_busy_profile(self, data, pid):
+        """A queued run of a profile that already runs something: the cap is met."""
+        run = data.draw(st.sampled_from(self.queued_of_busy_profiles()), label="run")
+        self._claim(run, NODE, pid, True)
+
+    def queued_of_busy_profiles(self) -> list[str]:
+        return [r[0] for r in self.conn.execute(
+            "SELECT q.id FROM runs q WHERE q.status = 'queued' AND EXISTS (SELECT 1 FROM "
+            "runs r WHERE r.profile_id = q.profile_id AND r.status IN ('running', "
+            "'stopping')) ORDER BY q.seq")]
+
+    def _claim(self, run: str, node: str, pid: int, known: bool) -> None:
         before = self.row(run)
         allowed = before["status"] == "queued" and self.may_claim(before)
+        running = sum(1 for r in self.all_runs() if r["profile_id"] == before["profile_id"]
+                      and r["status"] in ("running", "stopping"))
         self.threads += 1
         owner = Owner(node, self.generation if node == NODE else 1, pid, self.threads)
         outcome = execution.claim(self.conn, run, owner, lease_s=LONG_LEASE_S,
                                   task_known=lambda t: known and task_known(t),
-                                  enqueue=self.enqueue)
+                                  enqueue=self.enqueue,
+                                  max_running_per_profile=MAX_RUNNING_PER_PROFILE)
         if before["status"] != "queued":
             assert outcome.outcome == "not_queued" and outcome.run is None
         elif not allowed:
@@ -250,6 +273,10 @@ class LedgerMachine(RuleBasedStateMachine):
         elif not (known and task_known(before["task"])):
             assert outcome.outcome == "unknown_task"
             assert self.row(run)["status"] == "failed"
+        elif running >= MAX_RUNNING_PER_PROFILE:
+            assert outcome.outcome == "profile_busy"
+            after = self.row(run)
+            assert after["status"] == "queued" and after["slot_wait_since"] is not None
         else:
             assert outcome.outcome == "claimed" and outcome.run["status"] == "running"
             self.owner_of[run] = owner
@@ -494,7 +521,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 "'run.requeued', 'run.resumed', 'approval.resolved')", (run["id"],)).fetchone()[0]
             dispatched = self.conn.execute(
                 "SELECT COUNT(*) FROM dispatches WHERE run_id = ? AND reason NOT IN "
-                "('session_next', 'republished')", (run["id"],)).fetchone()[0]
+                "('session_next', 'republished', 'profile_slot')", (run["id"],)).fetchone()[0]
             assert dispatched == entries, (run["id"], dispatched, entries)
         assert self.conn.execute("SELECT COUNT(*) FROM dispatches WHERE sent_at IS NULL"
                                  ).fetchone()[0] == 0
@@ -515,6 +542,17 @@ class LedgerMachine(RuleBasedStateMachine):
             "SELECT profile_id, key_id, session_key, COUNT(*) FROM runs WHERE session_key IS "
             f"NOT NULL AND status IN {HOLDING} GROUP BY 1, 2, 3 HAVING COUNT(*) > 1").fetchall()
         assert not held, [tuple(r) for r in held]
+
+    @invariant()
+    def a_profile_never_runs_more_than_its_cap(self):
+        over = self.conn.execute(
+            "SELECT profile_id, COUNT(*) FROM runs WHERE status IN ('running', 'stopping') "
+            "GROUP BY 1 HAVING COUNT(*) > ?", (MAX_RUNNING_PER_PROFILE,)).fetchall()
+        assert not over, [tuple(r) for r in over]
+        marked = self.conn.execute(
+            "SELECT id, status FROM runs WHERE slot_wait_since IS NOT NULL AND status IN "
+            "('running', 'stopping', 'waiting_for_approval', 'paused')").fetchall()
+        assert not marked, [tuple(r) for r in marked]
 
     @invariant()
     def only_a_run_in_flight_has_an_owner_and_a_lease(self):

@@ -251,3 +251,13 @@ def delivers(ctx, input):
     if input.get("approval"):
         ctx.request_approval({"deliveries": len(ids)})
     return {"deliveries": ids}
+
+
+@runstile.task("t.tenant_step")
+def tenant_step(ctx, input):
+    """Logs begin/end with a tag (the test's name for the run's profile) and the time,
+    holding a worker thread for ``hold_s`` in between."""
+    log_line(input["log"], f"begin {input['tag']} {ctx.run_id} {time.time():.6f}")
+    time.sleep(input.get("hold_s", 0.2))
+    log_line(input["log"], f"end {input['tag']} {ctx.run_id} {time.time():.6f}")
+    return {"tag": input["tag"]}

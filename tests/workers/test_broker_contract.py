@@ -40,6 +40,7 @@ from runstile.ledger import broker_queue, db
 from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, Workers,
                             broker_available, free_port, wait_until)
 from tests.receiver import Receiver
+from tests.workers.test_profile_cap import most_at_once
 
 TASKS = "tests.workers.exec_tasks,runstile.demo"
 #: Short leases so that recovery's "queued long after dispatch" (2 leases) comes in 4 s.
@@ -599,3 +600,27 @@ def test_a_runs_callback_and_its_task_deliveries_go_out_through_the_broker(deplo
                    "all three delivered")
     finally:
         hook.close()
+
+
+@pytest.mark.parametrize("broker", ALL, indirect=True)
+def test_a_run_waiting_for_its_profiles_slot_is_published_when_the_slot_frees(deploy, ledger,
+                                                                             tmp_path):
+    # RUNSTILE_MAX_RUNNING_PER_PROFILE across two worker processes; no scheduled pass, so
+    # on Redis/RabbitMQ only the worker's publish after the freeing commit can hand on a
+    # slot (tests/workers/test_profile_cap.py has the same on `runstile up` alone).
+    deployment = deploy({**STEADY, "RUNSTILE_MAX_RUNNING_PER_PROFILE": "1",
+                         "RUNSTILE_RECOVERY_INTERVAL_S": "3600"})
+    log = tmp_path / "executions.log"
+    tenants = {"a": deployment.api, "b": Api(deployment.web, ledger.key("tenant-b"), ledger)}
+    ids = {tag: [api.post_run({"task": "t.tenant_step", "input": {
+        "log": str(log), "tag": tag, "hold_s": 0.5}}).json()["id"] for _ in range(3)]
+        for tag, api in tenants.items()}
+    wait_completed(ledger, 6, timeout_s=60)
+    peak, _ = most_at_once([line.split() for line in log.read_text().splitlines()])
+    assert peak == {"a": 1, "b": 1}, peak
+    refused = set(re.findall(r"run (run_[0-9a-f]{32}): claim lost \(profile_busy\)",
+                             deployment.worker_log()))
+    assert refused & set(ids["a"]) and refused & set(ids["b"])
+    handed = {rid for (rid,) in ledger.query(
+        "SELECT run_id FROM dispatches WHERE reason = 'profile_slot'")}
+    assert refused <= handed and unsent(ledger) == 0

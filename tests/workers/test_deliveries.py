@@ -59,9 +59,9 @@ def event_types(api: Api, run_id: str) -> list[str]:
 def test_a_completed_runs_result_reaches_its_callback_once_signed_by_the_profile_secret(
         make_system, ledger, receiver):
     hook = receiver()
-    secret = signing_secret(ledger)
     system = make_system(workers=1, threads=2, **LOOPBACK)
     api = Api(system, ledger.key(), ledger)
+    secret = signing_secret(ledger)  # the profile exists once it has a key
     rid = api.post_run({"task": "echo", "input": {"x": 1}, "callback_url": hook.url()}
                        ).json()["id"]
     run = wait_for_status(api, rid)
@@ -83,9 +83,9 @@ def test_a_completed_runs_result_reaches_its_callback_once_signed_by_the_profile
 def test_a_person_is_notified_when_a_run_waits_for_approval_and_then_gets_its_result(
         make_system, ledger, receiver, tmp_path):
     hook = receiver()
-    secret = signing_secret(ledger)
     system = make_system(workers=1, threads=2, **LOOPBACK)
     api = Api(system, ledger.key(), ledger)
+    secret = signing_secret(ledger)  # the profile exists once it has a key
     rid = api.post_run({"task": "t.approval", "input": {"log": str(tmp_path / "log")},
                         "callback_url": hook.url()}).json()["id"]
     waiting = wait_for_status(api, rid, statuses=("waiting_for_approval",))
@@ -124,9 +124,9 @@ def test_a_stopped_queued_run_sends_its_cancellation_to_its_callback(make_system
 def test_ctx_deliver_is_durable_and_a_body_that_runs_again_does_not_deliver_twice(
         make_system, ledger, receiver, tmp_path):
     hook = receiver()
-    secret = signing_secret(ledger)
     system = make_system(workers=1, threads=2, **LOOPBACK)
     api = Api(system, ledger.key(), ledger)
+    secret = signing_secret(ledger)  # the profile exists once it has a key
     log = tmp_path / "log"
     rid = api.post_run({"task": "t.deliver", "input": {
         "log": str(log), "url": hook.url(), "count": 3, "approval": True}}).json()["id"]
@@ -246,9 +246,9 @@ def test_1000_obligations_through_a_flaky_receiver_and_20_deliverer_kills_end_de
     redelivery of one obligation has its webhook-id, every request verifies."""
     _flaky.seen = {}
     hook = receiver(_flaky)
-    secret = signing_secret(ledger)
     env = {**FAST, "RUNSTILE_DELIVERY_MAX_ATTEMPTS": "6", "RUNSTILE_RECOVERY_BUDGET": "1000"}
     key = ledger.key()
+    secret = signing_secret(ledger)  # the profile exists once it has a key
     log = tmp_path / "log"
     kills, submitted = 0, []
     deadline = time.monotonic() + 420

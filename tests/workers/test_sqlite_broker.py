@@ -23,7 +23,7 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.middleware import AsyncIO, Middleware
 
 from runstile.ledger import broker_queue, db
-from runstile.workers.sqlite_broker import SQLiteBroker, enqueue_in
+from runstile.workers.sqlite_broker import UNDECODABLE_ACTOR, SQLiteBroker, enqueue_in
 from tests.conftest import ROOT, wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -147,6 +147,29 @@ def test_a_nacked_message_is_dead_lettered_and_never_delivered_again(broker, led
     assert [m.message_id for m in broker.dead_letters("default")] == [sent.message_id]
     assert rows(ledger, "state = 'dead'")[0][2] == sent.message_id
     assert next(consumer) is None and broker.pending("default") == 0
+    consumer.close()
+
+
+def test_an_undecodable_message_is_dead_lettered_and_never_breaks_the_dead_letter_list(
+        broker, ledger, caplog):
+    nacked = broker.enqueue(message())
+    conn = ledger.connect()
+    with db.transaction(conn):  # a row no Dramatiq encoder wrote
+        bad = broker_queue.insert_message(conn, "default", "not-a-message", b"\xff{garbage")
+    conn.close()
+    consumer = broker.consume("default", timeout=50)
+    (proxy,) = drain(consumer, 1)
+    consumer.nack(proxy)
+    assert next(consumer) is None  # the bad row: dead-lettered, never handed out
+    assert len(rows(ledger, "state = 'dead'")) == 2
+    listed = broker.dead_letters("default")
+    assert [m.message_id for m in listed] == [nacked.message_id, "not-a-message"]
+    assert listed[0].actor_name == "noop"
+    placeholder = listed[1]
+    assert placeholder.actor_name == UNDECODABLE_ACTOR and placeholder.args == ()
+    assert placeholder.options == {"undecodable": True, "delivery_id": bad}
+    assert f"Dead letter {bad} on queue 'default' cannot be decoded" in caplog.text
+    assert broker.pending("default") == 0
     consumer.close()
 
 
