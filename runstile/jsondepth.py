@@ -74,6 +74,30 @@ def text_too_deep(text: str | bytes, limit: int = MAX_DEPTH) -> bool:
     return deepest > limit
 
 
+#: The tokens that matter to nesting and to naming a body's fields.
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+
+
+def deep_field(text: bytes, limit: int = MAX_DEPTH + 1) -> str | None:
+    """The top-level member of the JSON object ``text`` under which nesting first goes
+    deeper than ``limit`` (the object itself is level 1), or None when it does not or when
+    the deep part is not under a member.  Iterative, so it names the field of a body too
+    deep for json.loads, whose recursion limit depends on the caller's stack."""
+    depth, member, previous = 0, None, b""
+    for match in _TOKEN.finditer(text):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return member
+        elif token in (b"]", b"}"):
+            depth -= 1
+        elif token == b":" and depth == 1 and previous.startswith(b'"'):
+            member = json.loads(previous)
+        previous = token
+    return None
+
+
 def loads_for_reading(text: str) -> Any:
     """A stored JSON text as the value a read shows.  One nested deeper than READ_DEPTH
     reads as TOO_DEEP_PLACEHOLDER: encoding it again for the answer could exceed Python's

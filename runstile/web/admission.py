@@ -15,7 +15,7 @@ from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, In
                       InvalidRunId, PayloadTooLarge, RunstileError, UnknownTask,
                       UnsupportedMediaType)
 from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
-from ..jsondepth import MAX_DEPTH, text_too_deep, too_deep
+from ..jsondepth import MAX_DEPTH, deep_field, text_too_deep
 from ..ledger.keys import Principal
 from ..ledger.admission import AdmissionRequest
 from ..netguard import callback_refusal
@@ -83,21 +83,21 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
 def parse_json(raw: bytes) -> Any:
     """Strict I-JSON: UTF-8, no NaN/Infinity, no duplicate keys, no value in the body
     nested deeper than MAX_DEPTH (docs/api.md "JSON depth")."""
+    # The body object is one level itself, so its fields may nest MAX_DEPTH below it.
+    # Checked on the text, before parsing: json.loads recurses per level, and how deep it
+    # can go depends on the stack of the thread that calls it.  Counting brackets (in C)
+    # spares the scan for every body that cannot be too deep.
+    if text_too_deep(raw, MAX_DEPTH + 1):
+        name = deep_field(raw, MAX_DEPTH + 1)
+        raise InvalidJson(_too_deep(name or "the body"),
+                          **({"field": name} if name is not None else {}))
     try:
-        text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_pairs)
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
+                          object_pairs_hook=_unique_pairs)
     except RecursionError:
         raise InvalidJson(_too_deep("the body")) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidJson(f"the body is not valid JSON: {exc}") from None
-    # The body object is one level itself, so its fields may nest MAX_DEPTH below it.
-    # Counting brackets (in C) spares the walk for every body that cannot be too deep.
-    if text_too_deep(raw, MAX_DEPTH + 1):
-        fields = body.items() if isinstance(body, dict) else [("the body", body)]
-        for name, value in fields:
-            if too_deep(value):
-                raise InvalidJson(_too_deep(name), field=name)
-    return body
 
 
 def _too_deep(name: str) -> str:
