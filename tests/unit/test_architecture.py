@@ -239,3 +239,19 @@ def test_the_clients_terminal_statuses_are_the_ledgers():
     from runstile.client import TERMINAL_STATUSES
     from runstile.ledger.states import TERMINAL
     assert TERMINAL_STATUSES == {status.value for status in TERMINAL}
+
+
+def test_every_runtime_dependency_is_imported_by_the_package():
+    import tomllib
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    names = {re.split(r"[\[<>=~!; ]", spec, maxsplit=1)[0].lower().replace("-", "_")
+             for spec in pyproject["project"]["dependencies"]}
+    imported_names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported_names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported_names.add(node.module.split(".")[0])
+    # (Each distribution here imports under its own name, '-' read as '_'.)
+    assert names - imported_names == set()
