@@ -12,8 +12,9 @@ import os
 import re
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import ConfigError
 
@@ -43,9 +44,23 @@ _lock = threading.Lock()
 _tasks: dict[str, TaskSpec] = {}
 
 
+#: The options ``@runstile.task`` takes; nothing else is honoured (docs/tasks.md).
+OPTIONS = ("time_limit_s", "on_crash", "retries", "retry_backoff_s")
+
+
 def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "interrupt",
-         retries: int = 0, retry_backoff_s: float = 1.0) -> Callable[[Callable], Callable]:
-    """Register ``fn(ctx, input)`` as the task ``name``."""
+         retries: int = 0, retry_backoff_s: float = 1.0,
+         **unknown: object) -> Callable[[Callable], Callable]:
+    """Register ``fn(ctx, input)`` as the task ``name``.
+
+    A runstile task is not a Dramatiq actor: Dramatiq's actor options (``max_retries``,
+    ``time_limit``, ``on_success`` …) are refused here with the options that do exist,
+    never accepted and ignored.
+    """
+    if unknown:
+        raise ConfigError(f"task {name!r}: unknown option(s) {', '.join(sorted(unknown))}; "
+                          f"@runstile.task takes {', '.join(OPTIONS)} (docs/tasks.md, "
+                          f"\"Dramatiq actors and middleware\")")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(f"task name {name!r} must match {_NAME.pattern}")
     if on_crash not in ON_CRASH:
@@ -81,12 +96,55 @@ def load(modules: tuple[str, ...]) -> dict[str, TaskSpec]:
     """
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"cannot import task module {module!r}: {exc}") from exc
+    with _dramatiq_actors_refused():
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigError(f"cannot import task module {module!r}: {exc}") from exc
     return registered()
+
+
+@contextmanager
+def _dramatiq_actors_refused() -> Iterator[None]:
+    """While task modules load, Dramatiq's global broker refuses every actor declaration.
+
+    runstile runs ``@runstile.task`` functions through its own actor; a ``@dramatiq.actor``
+    in a task module would otherwise bind to Dramatiq's default broker (a RabbitMQ broker
+    on localhost with Dramatiq's default middleware), which runstile never consumes: its
+    options would silently do nothing.  Imported here, not at the top: the client loads
+    this module and must not load Dramatiq.
+    """
+    import dramatiq
+    import dramatiq.broker
+
+    class RefusingBroker(dramatiq.Broker):  # only declare_actor is ever reached
+        def declare_actor(self, actor: dramatiq.Actor) -> None:
+            raise ConfigError(
+                f"task modules may not declare Dramatiq actors ({actor.fn.__module__}."
+                f"{actor.fn.__qualname__} as {actor.actor_name!r}): runstile runs "
+                f"@runstile.task functions, and honours no Dramatiq actor option or "
+                f"middleware (docs/tasks.md, \"Dramatiq actors and middleware\")")
+
+    refusing = RefusingBroker(middleware=[])
+    # Every option some Dramatiq middleware knows, so that an actor using them gets this
+    # refusal rather than Dramatiq's "did you forget to add a middleware?".
+    refusing.actor_options = {option for cls in vars(dramatiq.middleware).values()
+                              if isinstance(cls, type) and issubclass(cls, dramatiq.Middleware)
+                              for option in _options_of(cls)}
+    previous = dramatiq.broker.global_broker
+    dramatiq.set_broker(refusing)
+    try:
+        yield
+    finally:
+        dramatiq.broker.global_broker = previous
+
+
+def _options_of(middleware: type) -> set[str]:
+    options = middleware.actor_options
+    if isinstance(options, property):  # declared per instance; read it off the class
+        options = options.fget(None) if options.fget else set()
+    return set(options)
 
 
 def registered() -> dict[str, TaskSpec]:
