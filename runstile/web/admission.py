@@ -174,61 +174,77 @@ def _metadata(body: dict) -> dict | None:
 
 
 def build(request, principal: Principal, *, settings, task_names) -> tuple[AdmissionRequest, RunstileError | None]:
-    """Validate one POST /v1/runs; return the request and the refusal for a new run."""
+    """Validate one POST /v1/runs; return the request and the refusal for a new run.
+
+    The checks run in the order docs/api.md ("Check order") states: body size, content
+    type, JSON, the key's syntax, the schema, the run id's syntax.  The refusal (a bad
+    callback URL, an unknown task) is raised later, only if a new run would be created.
+    """
     raw = read_body(request, settings.max_body_bytes)
     require_json_content_type(request)
     body = parse_json(raw)
     header_key = parse_idempotency_key(request.environ)
+    fields = _schema(body, settings.default_task)
+    try:
+        digest = fingerprint(fields)
+    except NotCanonicalisable as exc:
+        raise InvalidRequest(f"input cannot be canonicalised (RFC 8785): {exc}",
+                             field="input") from None
+    run_id, metadata = fields["run_id"], fields["metadata"]
+    key, derived = _key(header_key, run_id)
+    task = fields["task"] or settings.default_task
+    return AdmissionRequest(
+        principal=principal, key=key, key_is_derived=derived, run_id=run_id, task=task,
+        input_json=compact_json(fields["input"]), session_key=fields["session_key"],
+        trigger_id=fields["trigger_id"],
+        metadata_json=None if metadata is None else compact_json(metadata),
+        callback_url=fields["callback_url"], fingerprint=digest,
+        fingerprint_version=FINGERPRINT_VERSION,
+    ), _refusal(fields["callback_url"], task, task_names, settings.callback_allowlist)
+
+
+def _schema(body: Any, default_task: str | None) -> dict:
+    """The body's fields, checked and normalised (absent optional fields as None): what
+    the fingerprint is computed over."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise InvalidRequest(f"unknown field {unknown[0]!r}", field=unknown[0])
     task = _text(body, "task", MAX_TASK_NAME)
-    if task is None and settings.default_task is None:
+    if task is None and default_task is None:
         raise InvalidRequest("task is required", field="task")
     run_id = body.get("run_id")
     if run_id is not None and not isinstance(run_id, str):
         raise InvalidRequest("run_id must be a string", field="run_id")
-    session_key = _text(body, "session_key", no_control=True)
-    trigger_id = _text(body, "trigger_id")
-    callback_url = _callback_url(body)
-    metadata = _metadata(body)
+    fields = {"task": task, "input": body.get("input"), "run_id": run_id,
+              "session_key": _text(body, "session_key", no_control=True),
+              "trigger_id": _text(body, "trigger_id"), "callback_url": _callback_url(body),
+              "metadata": _metadata(body)}
     if run_id is not None and not _RUN_ID.fullmatch(run_id):
         raise InvalidRunId(f"run_id must look like run_<32 lowercase hex>, matching "
                            f"{RUN_ID_PATTERN} in full", field="run_id")
-    normalised = {
-        "task": task, "input": body.get("input"), "run_id": run_id,
-        "session_key": session_key, "trigger_id": trigger_id,
-        "callback_url": callback_url, "metadata": metadata,
-    }
-    try:
-        digest = fingerprint(normalised)
-    except NotCanonicalisable as exc:
-        raise InvalidRequest(f"input cannot be canonicalised (RFC 8785): {exc}",
-                             field="input") from None
+    return fields
+
+
+def _key(header_key: str | None, run_id: str | None) -> tuple[str | None, bool]:
+    """The idempotency key and whether it is derived from the run id (docs/api.md)."""
     if header_key is not None:
-        key, derived = header_key, False
-    elif run_id is not None:
-        key, derived = LEGACY_PREFIX + run_id, True
-    else:
-        key, derived = None, False
-    effective_task = task or settings.default_task
-    refusal: RunstileError | None = None
-    reason = None if callback_url is None else callback_refusal(callback_url,
-                                                                 settings.callback_allowlist)
+        return header_key, False
+    if run_id is not None:
+        return LEGACY_PREFIX + run_id, True
+    return None, False
+
+
+def _refusal(callback_url: str | None, task: str, task_names, allowlist) -> RunstileError | None:
+    """What refuses a *new* run (a replay still answers): a callback URL delivery would
+    refuse, or a task no process here registers."""
+    reason = None if callback_url is None else callback_refusal(callback_url, allowlist)
     if reason is not None:
-        refusal = InvalidCallbackUrl(reason, field="callback_url")
-    elif effective_task not in task_names:
-        refusal = UnknownTask(f"no task named {effective_task!r} is registered", field="task")
-    dumps = compact_json
-    return AdmissionRequest(
-        principal=principal, key=key, key_is_derived=derived, run_id=run_id,
-        task=effective_task, input_json=dumps(body.get("input")), session_key=session_key,
-        trigger_id=trigger_id, metadata_json=None if metadata is None else dumps(metadata),
-        callback_url=callback_url, fingerprint=digest,
-        fingerprint_version=FINGERPRINT_VERSION,
-    ), refusal
+        return InvalidCallbackUrl(reason, field="callback_url")
+    if task not in task_names:
+        return UnknownTask(f"no task named {task!r} is registered", field="task")
+    return None
 
 
 #: json.dumps(value, separators=(",", ":"), ensure_ascii=False), without building an
