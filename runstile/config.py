@@ -61,7 +61,7 @@ def _synchronous(raw: str) -> str:
     return value
 
 
-#: Who commits the admissions of ``serve``'s web processes (web/writer.py).
+#: Who commits the admissions of ``serve``'s web processes (web/writer/).
 ADMISSION_WRITERS = ("process", "inline")
 
 
@@ -225,7 +225,7 @@ class Settings:
     #: the web process's event loop reads it meanwhile, not a request thread.
     request_read_timeout_s: float = 10.0
     #: "process": one admission writer process commits every web process's admissions;
-    #: "inline": each web process commits its own (web/writer.py says why and when).
+    #: "inline": each web process commits its own (web/writer/ says why and when).
     admission_writer: str = "process"
     #: Dramatiq worker processes.
     workers: int = 2

@@ -211,6 +211,14 @@ class RunIdConflict(Conflict):
     code = "run_id_conflict"
 
 
+class AdmissionRace(Conflict):
+    """Raised when another writer bound the same key or run id between an admission's read and its write."""
+
+    # Never answered: admission re-reads, which answers a replay or a 409 (after its
+    # last retry a 503, docs/api.md "Reservation").
+    code = "admission_race"
+
+
 class ApprovalAlreadyResolved(Conflict):
     """Raised when an approval already decided one way is asked to be decided the other."""
 

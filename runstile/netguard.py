@@ -10,16 +10,19 @@ the IPv4 address they carry — and refuses a literal address delivery would ref
 
 Names that need resolving are checked again at delivery, against the address actually
 connected to: ``checked_addresses`` resolves a host once and returns the addresses
-delivery may connect to (``runstile.webhooks.deliver`` connects to them and never
-resolves the name again, so a DNS answer that changes between check and connect cannot
-steer it elsewhere).  Its refusal's ``reason`` (stored, and shown to API clients) never
-names the addresses a name resolved to; its ``detail`` (for the log) does.
+delivery may connect to, and ``PinnedConnection`` is the HTTP(S) connection that
+``runstile.webhooks.deliver`` makes to them: it never resolves the name again, so a DNS
+answer that changes between check and connect cannot steer it elsewhere.  A refusal's
+``reason`` (stored, and shown to API clients) never names the addresses a name resolved
+to; its ``detail`` (for the log) does.
 """
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import socket
+import ssl
 import unicodedata
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -248,3 +251,58 @@ def checked_addresses(host: str, port: int, allowlist: tuple[str, ...] = (),
         else:
             targets.append((socket.AF_INET6, (str(addr), port, 0, 0)))
     return targets, None
+
+
+class PinnedConnection(http.client.HTTPConnection):
+    """HTTP to ``host`` at addresses already checked (``checked_addresses``): ``connect``
+    never resolves a name.
+
+    ``host``/``port`` still make the Host header (and, for https, SNI and the name the
+    certificate must match); the socket goes to the first ``targets`` entry that accepts.
+    """
+
+    def __init__(self, host: str, port: int, targets: list[tuple[int, tuple]], *,
+                 connect_timeout_s: float, read_timeout_s: float,
+                 tls: ssl.SSLContext | None) -> None:
+        super().__init__(host, port, timeout=read_timeout_s)
+        if tls is not None:
+            self.default_port = http.client.HTTPS_PORT  # Host header omits :443, not :80
+        self.auto_open = 0  # never reconnect behind our back
+        self._targets = targets
+        self._connect_timeout_s = connect_timeout_s
+        self._tls = tls
+        self.raw_socket: socket.socket | None = None
+
+    def connect(self) -> None:
+        error: OSError | None = None
+        for family, sockaddr in self._targets:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self._connect_timeout_s)
+                sock.connect(sockaddr)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # A duplicate of the TCP socket survives the TLS wrap; the deadline
+                # watchdog shuts the connection down through it.
+                self.raw_socket = sock.dup()
+                if self._tls is not None:
+                    # The handshake is bounded by the connect timeout too.
+                    sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+                sock.settimeout(self.timeout)
+            except OSError as exc:
+                sock.close()
+                if self.raw_socket is not None:
+                    self.raw_socket.close()
+                    self.raw_socket = None
+                if isinstance(exc, ssl.SSLError):
+                    raise  # the server was reached: another address will not fix TLS
+                error = exc
+                continue
+            self.sock = sock
+            return
+        raise error or OSError("no address to connect to")
+
+    def close(self) -> None:
+        super().close()
+        if self.raw_socket is not None:
+            self.raw_socket.close()
+            self.raw_socket = None

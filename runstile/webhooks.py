@@ -1,4 +1,5 @@
-"""The HTTP side of webhook delivery (SPEC §7): signing, one guarded attempt, backoff.
+"""The HTTP side of webhook delivery (docs/api.md, "Deliveries (webhooks)"): signing, one
+guarded attempt, backoff.
 
 Pure functions over the network — no ledger, no Dramatiq.  The deliverer
 (``workers/delivery.py``) reads an obligation, calls ``headers`` and ``deliver``, and
@@ -9,18 +10,21 @@ Signing follows Standard Webhooks (https://www.standardwebhooks.com/): ``webhook
 "id.timestamp.body">`` keyed with the base64-decoded part of a ``whsec_…`` secret; during
 a rotation every current secret signs and the signatures are space-separated.
 
-``deliver`` makes one POST and never follows a redirect.  Before connecting it resolves
-the host once and refuses (no connection made) when any address is loopback, private,
-link-local, CGNAT, cloud metadata, multicast, unspecified/reserved or an IPv6 form
-carrying one of those (``netguard.checked_addresses``), unless allow-listed; it then
-connects to the checked address itself, sending the original ``Host`` and, for https,
-SNI and certificate verification for the original host name.
+``deliver`` makes one POST and never follows a redirect, in three steps.  ``_resolve``
+resolves the host once and refuses (no connection made) when any address is loopback,
+private, link-local, CGNAT, cloud metadata, multicast, unspecified/reserved or an IPv6
+form carrying one of those (``netguard.checked_addresses``), unless allow-listed;
+``_exchange`` connects to a checked address itself (``netguard.PinnedConnection``),
+sending the original ``Host`` and, for https, SNI and certificate verification for the
+original host name, within the timeouts; ``_classify`` turns the answer into an
+``Outcome``.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import email.utils
 import hashlib
 import hmac
@@ -32,11 +36,12 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Literal
+from typing import Literal
 
-from .netguard import callback_target, checked_addresses
+from .netguard import PinnedConnection, callback_target, checked_addresses
 
 #: Prefix of a signing secret; the rest is standard base64.
 SECRET_PREFIX = "whsec_"
@@ -168,60 +173,6 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     return max(0.0, (when - now_dt).total_seconds())
 
 
-class _PinnedConnection(http.client.HTTPConnection):
-    """HTTP to ``host`` at addresses already checked: ``connect`` never resolves a name.
-
-    ``host``/``port`` still make the Host header (and, for https, SNI and the name the
-    certificate must match); the socket goes to the first ``targets`` entry that accepts.
-    """
-
-    def __init__(self, host: str, port: int, targets: list[tuple[int, tuple]], *,
-                 connect_timeout_s: float, read_timeout_s: float,
-                 tls: ssl.SSLContext | None) -> None:
-        super().__init__(host, port, timeout=read_timeout_s)
-        if tls is not None:
-            self.default_port = http.client.HTTPS_PORT  # Host header omits :443, not :80
-        self.auto_open = 0  # never reconnect behind our back
-        self._targets = targets
-        self._connect_timeout_s = connect_timeout_s
-        self._tls = tls
-        self.raw_socket: socket.socket | None = None
-
-    def connect(self) -> None:
-        error: OSError | None = None
-        for family, sockaddr in self._targets:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(self._connect_timeout_s)
-                sock.connect(sockaddr)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                # A duplicate of the TCP socket survives the TLS wrap; the deadline
-                # watchdog shuts the connection down through it.
-                self.raw_socket = sock.dup()
-                if self._tls is not None:
-                    # The handshake is bounded by the connect timeout too.
-                    sock = self._tls.wrap_socket(sock, server_hostname=self.host)
-                sock.settimeout(self.timeout)
-            except OSError as exc:
-                sock.close()
-                if self.raw_socket is not None:
-                    self.raw_socket.close()
-                    self.raw_socket = None
-                if isinstance(exc, ssl.SSLError):
-                    raise  # the server was reached: another address will not fix TLS
-                error = exc
-                continue
-            self.sock = sock
-            return
-        raise error or OSError("no address to connect to")
-
-    def close(self) -> None:
-        super().close()
-        if self.raw_socket is not None:
-            self.raw_socket.close()
-            self.raw_socket = None
-
-
 def _excerpt(data: bytes) -> str:
     text = data[:ERROR_EXCERPT_CHARS * 4].decode("utf-8", "replace")[:ERROR_EXCERPT_CHARS]
     return re.sub(r"[\x00-\x1f\x7f]+", " ", text).strip()
@@ -257,79 +208,149 @@ def deliver(url: str, body: bytes, headers: dict[str, str], *,
 
     Never raises for network trouble: every failure is an ``Outcome``.
     """
+    target = _resolve(url, allowlist, resolver)
+    if isinstance(target, Outcome):
+        return target  # refused, or a name that did not resolve
+    answer = _exchange(target, body, headers, connect_timeout_s=connect_timeout_s,
+                       read_timeout_s=read_timeout_s, max_response_bytes=max_response_bytes,
+                       ssl_context=ssl_context)
+    if isinstance(answer, Outcome):
+        return answer  # no status came back
+    return _classify(answer)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one attempt goes: the URL's parts and the addresses the guard let through."""
+
+    host: str  # the normalised ASCII (IDNA) host: what DNS, Host and SNI all carry
+    port: int
+    path: str  # the request target: path and query
+    https: bool
+    addresses: list[tuple[int, tuple]]  # (family, sockaddr), in the resolver's order
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What the receiver answered: its status, its Retry-After, the start of its body."""
+
+    status: int
+    retry_after_s: float | None
+    body: bytes
+
+
+def _resolve(url: str, allowlist: tuple[str, ...], resolver: Callable) -> _Target | Outcome:
+    """The step before any connection: the URL as admission read it, its host resolved
+    once and every address checked (``netguard``).  ``refused`` when the URL or an
+    address is not allowed, ``retry`` when the name does not resolve."""
     parsed, refusal = callback_target(url, allowlist)  # as admission read it
     if parsed is None:
         return Outcome(kind="refused", error=refusal)
-    # The normalised ASCII (IDNA) host is what DNS, the Host header and SNI all carry.
-    host, port, target = parsed.host, parsed.port, parsed.target
+    host, port = parsed.host, parsed.port
     try:
-        targets, refused = checked_addresses(host, port, allowlist, resolver)
+        addresses, refused = checked_addresses(host, port, allowlist, resolver)
     except OSError as exc:
         return Outcome(kind="retry", error=f"cannot resolve {host}: {exc}")
     if refused is not None:
         return Outcome(kind="refused", error=refused.reason, detail=refused.detail)
+    return _Target(host, port, parsed.target, parsed.scheme == "https", addresses)
 
+
+def _exchange(target: _Target, body: bytes, headers: dict[str, str], *,
+              connect_timeout_s: float, read_timeout_s: float, max_response_bytes: int,
+              ssl_context: ssl.SSLContext | None) -> _Answer | Outcome:
+    """The POST and its answer, at the checked addresses only; a ``retry`` when the
+    connection, TLS, the request or the answer's head fails or runs out of time."""
     tls = None
-    if parsed.scheme == "https":
+    if target.https:
         tls = ssl_context if ssl_context is not None else ssl.create_default_context()
     send_headers = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
-    conn = _PinnedConnection(host, port, targets, connect_timeout_s=connect_timeout_s,
+    conn = PinnedConnection(target.host, target.port, target.addresses,
+                             connect_timeout_s=connect_timeout_s,
                              read_timeout_s=read_timeout_s, tls=tls)
-    watchdog = None
-    expired = threading.Event()
     try:
         try:
             conn.connect()
         except ssl.SSLError as exc:
-            return Outcome(kind="retry", error=f"TLS with {host} failed: {exc}")
+            return Outcome(kind="retry", error=f"TLS with {target.host} failed: {exc}")
         except OSError as exc:
-            return Outcome(kind="retry", error=f"cannot connect to {host}:{port}: {exc}")
-
-        def expire(raw=conn.raw_socket):
-            expired.set()
-            try:
-                raw.shutdown(socket.SHUT_RDWR)  # wakes a blocked send/recv at once
-            except OSError:
-                pass
-
-        watchdog = threading.Timer(read_timeout_s, expire)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            conn.request("POST", target, body=bytes(body), headers=send_headers)
-            response = conn.getresponse()
-            if expired.is_set():
-                # The deadline cut the headers short; the EOF only looked like their end.
-                raise TimeoutError
-        except (OSError, http.client.HTTPException) as exc:
-            if expired.is_set() or isinstance(exc, TimeoutError):
-                return Outcome(kind="retry",
-                               error=f"no answer from {host} within {read_timeout_s:g}s")
-            return Outcome(kind="retry", error=f"{type(exc).__name__} from {host}: {exc}")
-        status = response.status
-        retry_after_s = parse_retry_after(response.getheader("retry-after"))
-        data = bytearray()
-        try:
-            while len(data) < max_response_bytes:
-                chunk = response.read(min(64 * 1024, max_response_bytes - len(data)))
-                if not chunk:
-                    break
-                data += chunk
-        except (OSError, http.client.HTTPException, ValueError):
-            # The status line decides the outcome; the body is only quoted in errors,
-            # so one cut short (deadline, reset, bad chunking) changes nothing.
-            pass
+            return Outcome(kind="retry",
+                           error=f"cannot connect to {target.host}:{target.port}: {exc}")
+        with _deadline(conn.raw_socket, read_timeout_s) as expired:
+            return _post(conn, target, bytes(body), send_headers, expired,
+                         read_timeout_s, max_response_bytes)
     finally:
-        if watchdog is not None:
-            watchdog.cancel()
         conn.close()
 
+
+@contextlib.contextmanager
+def _deadline(raw: socket.socket | None, seconds: float) -> Iterator[threading.Event]:
+    """``seconds`` for everything after the connect, as one deadline: when it passes, a
+    timer shuts the TCP socket down, which wakes a blocked send or recv at once (a socket
+    timeout restarts with every byte a slow receiver trickles).  Yields the event that
+    says it passed."""
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        if raw is not None:  # always set once connected
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(seconds, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield expired
+    finally:
+        watchdog.cancel()
+
+
+def _post(conn: PinnedConnection, target: _Target, body: bytes, headers: dict[str, str],
+          expired: threading.Event, read_timeout_s: float,
+          max_response_bytes: int) -> _Answer | Outcome:
+    try:
+        conn.request("POST", target.path, body=body, headers=headers)
+        response = conn.getresponse()
+        if expired.is_set():
+            # The deadline cut the headers short; the EOF only looked like their end.
+            raise TimeoutError
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set() or isinstance(exc, TimeoutError):
+            return Outcome(kind="retry", error=f"no answer from {target.host} within "
+                                               f"{read_timeout_s:g}s")
+        return Outcome(kind="retry", error=f"{type(exc).__name__} from {target.host}: {exc}")
+    retry_after_s = parse_retry_after(response.getheader("retry-after"))
+    return _Answer(response.status, retry_after_s, _read_capped(response, max_response_bytes))
+
+
+def _read_capped(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of the answer's body, or what of it came before it broke."""
+    data = bytearray()
+    try:
+        while len(data) < max_bytes:
+            chunk = response.read(min(64 * 1024, max_bytes - len(data)))
+            if not chunk:
+                break
+            data += chunk
+    except (OSError, http.client.HTTPException, ValueError):
+        # The status line decides the outcome; the body is only quoted in errors,
+        # so one cut short (deadline, reset, bad chunking) changes nothing.
+        pass
+    return bytes(data)
+
+
+def _classify(answer: _Answer) -> Outcome:
+    """The outcome of an answered attempt: 2xx ``delivered``, 410 ``gone`` (park now),
+    anything else ``retry`` (the deliverer backs off with ``next_delay_s`` and parks
+    after the last attempt), with the start of the body quoted in ``error``."""
+    status, retry_after_s = answer.status, answer.retry_after_s
     if 200 <= status < 300:
         return Outcome(kind="delivered", status=status, retry_after_s=retry_after_s)
     reason = f"HTTP {status}"
     if 300 <= status < 400:
         reason += " (redirects are not followed)"
-    excerpt = _excerpt(bytes(data))
+    excerpt = _excerpt(answer.body)
     if excerpt:
         reason += f": {excerpt}"
     kind = "gone" if status == 410 else "retry"

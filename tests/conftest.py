@@ -194,7 +194,7 @@ class Server:
         return [pid for pid in child_pids(self.proc.pid) if not is_writer(pid)]
 
     def writer_pid(self) -> int | None:
-        """The admission writer process (web/writer.py), if one is running."""
+        """The admission writer process (web/writer/), if one is running."""
         pids = [pid for pid in child_pids(self.proc.pid) if is_writer(pid)]
         return pids[0] if pids else None
 

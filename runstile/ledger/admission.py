@@ -2,7 +2,7 @@
 "Reservation"), alone or in a batch.
 
 ``web/runs.py`` calls :func:`admit` for each ``POST /v1/runs``.  Through the web process's
-group committer (``ledger/group_commit.py``) or the admission writer (``web/writer.py``,
+group committer (``ledger/group_commit.py``) or the admission writer (``web/writer/``,
 which carries a :class:`Reservation` over its socket), the admissions waiting at one
 moment share one transaction: :func:`reserve_many` decides them in order, then writes
 every new run's rows together (``ledger/admission_rows.py``).  Without a committer
@@ -17,8 +17,8 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from ..errors import (CapacityExceeded, IdempotencyKeyConflict, IdempotencyKeyExpired,
-                      LedgerUnavailable, RunIdConflict, RunstileError)
+from ..errors import (AdmissionRace, CapacityExceeded, IdempotencyKeyConflict,
+                      IdempotencyKeyExpired, LedgerUnavailable, RunIdConflict, RunstileError)
 from . import admission_rows, db, events
 from .db import NOW
 from .keys import Principal
@@ -91,9 +91,11 @@ def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
                 return committer.run(reserve)
             with db.transaction(conn):
                 return reserve(conn)
-        except sqlite3.IntegrityError:
+        except (sqlite3.IntegrityError, AdmissionRace):
             # Another writer created the same key or run id between our read and our
             # insert.  It has committed, so re-reading answers as a replay or a 409.
+            # (SQLite raises IntegrityError here; the admission writer reports the same
+            # race from its process as AdmissionRace.)
             continue
     raise LedgerUnavailable("the admission kept racing with concurrent writers")
 
@@ -204,17 +206,21 @@ def _get(conn, run_id: str) -> dict:
     return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
 
 
+@dataclass(slots=True, eq=False)
 class Reservation:
     """One admission handed to the group committer: callable alone (its own reservation,
     :func:`_reserve`), or run together with the others of a batch (:func:`reserve_many`,
-    through ``run_many``, which group_commit looks for)."""
+    through ``run_many``, which group_commit looks for).
 
-    __slots__ = ("req", "refusal", "max_active_runs", "enqueue")
+    The admission writer's wire format is derived from these fields and the
+    :class:`AdmissionRequest`'s (``web/writer/codec.py``): a new field travels to the
+    writer without touching it.  ``eq=False``: each reservation is one request, equal
+    only to itself."""
 
-    def __init__(self, req: AdmissionRequest, refusal, max_active_runs: int,
-                 enqueue: Enqueue | None) -> None:
-        self.req, self.refusal = req, refusal
-        self.max_active_runs, self.enqueue = max_active_runs, enqueue
+    req: AdmissionRequest
+    refusal: RunstileError | None
+    max_active_runs: int
+    enqueue: Enqueue | None
 
     def __call__(self, conn: sqlite3.Connection) -> Admitted:
         return _reserve(conn, self.req, self.refusal, self.max_active_runs, self.enqueue)

@@ -2,7 +2,7 @@
 
 :func:`runstile.ledger.admission.reserve_many` decides a group commit's admissions in
 order, then hands the new runs to :func:`write_new_runs`, inside the batch's transaction
-(``ledger/group_commit.py``, or the admission writer of ``web/writer.py``).  The rows are
+(``ledger/group_commit.py``, or the admission writer of ``web/writer/``).  The rows are
 those :func:`runstile.ledger.admission._reserve` would write one run at a time.
 """
 

@@ -62,7 +62,7 @@ class Batches:
     """Settles batches of units on one connection of its own, reopened after a failure.
 
     Used by the committer thread below and, one batch per wake-up, by the admission
-    writer process (web/writer.py).
+    writer process (web/writer/).
     """
 
     def __init__(self, connect: Callable[[], sqlite3.Connection]) -> None:

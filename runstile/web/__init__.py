@@ -23,7 +23,7 @@ class WebState:
     pool: ConnectionPool
     task_names: frozenset[str]
     #: Admissions of this process share write transactions (ledger/group_commit.py),
-    #: or go to the node's admission writer (web/writer.py) when ``serve`` runs one.
+    #: or go to the node's admission writer (web/writer/) when ``serve`` runs one.
     committer: GroupCommitter | WriterClient
     #: Where ``serve``'s processes share metric samples (None: this process's alone).
     metrics_dir: str | None = None
@@ -33,7 +33,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
                metrics_dir: str | None = None) -> Flask:
     """The WSGI app.  Call after fork: it opens ledger connections lazily per thread.
 
-    ``writer_socket``: where ``serve``'s admission writer listens (web/writer.py); without
+    ``writer_socket``: where ``serve``'s admission writer listens (web/writer/); without
     it the process commits its own admissions.
     """
     from . import approvals, deliveries, errors, metrics, runs, service

@@ -1,4 +1,4 @@
-"""The admission writer (runstile/web/writer.py): one process commits the admissions of
+"""The admission writer (runstile/web/writer/): one process commits the admissions of
 every web process, and losing it at any moment loses and duplicates nothing.
 
 Real ``runstile serve`` processes on loopback, a real ledger file; the writer is stopped,

@@ -55,13 +55,13 @@ MAX_FUNCTION_LINES = 40
 #: Modules and functions over budget today.  This list may only shrink: a new entry, or
 #: an entry that grew, fails the test (the number is the most lines it may have).
 LONG_MODULES: dict[str, int] = {
-    "cli": 706, "web.writer": 466,
+    "cli": 706,
     "workers.sqlite_broker": 691,
 }
 LONG_FUNCTIONS: dict[str, int] = {
     "ledger.recovery:apply": 44, "ledger.recovery:apply_terminal_many": 61,
-    "recovery.reconcile:run_pass": 90, "web.openapi:document": 176, "web.writer:serve": 53,
-    "webhooks:deliver": 113, "workers.actors:_execute": 67, "workers.context:step": 47,
+    "recovery.reconcile:run_pass": 90, "web.openapi:document": 176,
+    "workers.actors:_execute": 67, "workers.context:step": 47,
     "workers.sqlite_broker:_run": 70,
 }
 

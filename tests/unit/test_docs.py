@@ -34,6 +34,7 @@ NOT_SENT_OVER_HTTP = {
     "LeaseLost": "inside workers",
     "RunStopping": "inside workers (a journaled call meets a stop)",
     "ApiError": "raised by runstile.Client from an answer, never sent by the server",
+    "AdmissionRace": "inside admission: admit re-reads (a replay or a 409, at last a 503)",
 }
 
 #: One row of the main table in configuration.md: | `RUNSTILE_X` | default | ...

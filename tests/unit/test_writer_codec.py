@@ -1,17 +1,18 @@
-"""The admission writer's wire format (runstile/web/writer.py): what a web process sends
-is the reservation the writer runs, and what the writer answers is what admission.admit would
-have returned or raised in the web process itself."""
+"""The admission writer's wire format (runstile/web/writer/codec.py): what a web process
+sends is the reservation the writer runs, and what the writer answers is what admission.admit
+would have returned or raised in the web process itself."""
 
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass, fields
 
 import pytest
 
 from runstile import errors
 from runstile.ledger import admission, group_commit
 from runstile.ledger.keys import Principal
-from runstile.web import writer
+from runstile.web.writer import codec as writer
 
 
 def reservation(**changes) -> admission.Reservation:
@@ -39,6 +40,48 @@ def test_a_reservation_arrives_with_every_field_it_was_sent_with():
     assert type(received.refusal) is errors.InvalidCallbackUrl
     assert received.refusal.message == "private address"
     assert received.refusal.details == {"field": "callback_url"}
+
+
+def test_the_wire_keeps_its_order_so_a_web_process_and_a_writer_of_one_install_agree():
+    sent = reservation(run_id="run_" + "c" * 32)
+    assert writer.encode_request(sent) == writer._dumps([
+        "acme", "k1", "client", "ik-1", False, "run_" + "c" * 32, "echo",
+        '{"text":"héllo \\u2028","n":[1,2.5,null]}', "s", None, '{"a":"b"}',
+        "https://example.com/hook", "f" * 64, 1, None, 10_000, False]).encode()
+
+
+@dataclass(frozen=True)
+class WiderPrincipal(Principal):
+    tenant: str | None = None  # fields this codec has never heard of, at every level
+
+
+@dataclass(frozen=True)
+class WiderRequest(admission.AdmissionRequest):
+    principal: WiderPrincipal
+    priority: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class WiderReservation(admission.Reservation):
+    req: WiderRequest
+    deadline_s: float | None = None
+
+
+def test_a_field_added_to_a_reservation_travels_without_a_change_to_the_codec(monkeypatch):
+    """The Wider classes stand for fields added to ledger/admission.py: the codec reads
+    the dataclasses' fields, so a new one, at any level, is sent and read back."""
+    monkeypatch.setattr(admission, "Reservation", WiderReservation)
+    base = reservation().req
+    wider = {f.name: getattr(base, f.name) for f in fields(base)}
+    wider.update(priority=7, principal=WiderPrincipal("acme", "k1", "client", tenant="t"))
+    req = WiderRequest(**wider)
+    sent = WiderReservation(req, errors.UnknownTask("no such task", field="task"), 5,
+                            embedded, deadline_s=2.5)
+    received = writer.decode_request(writer.encode_request(sent), embedded)
+    assert type(received) is WiderReservation and received.req == sent.req
+    assert received.req.priority == 7 and received.req.principal.tenant == "t"
+    assert (received.max_active_runs, received.deadline_s) == (5, 2.5)
+    assert received.enqueue is embedded and type(received.refusal) is errors.UnknownTask
 
 
 def test_the_writer_enqueues_only_what_the_web_process_would_have_enqueued():
@@ -75,9 +118,9 @@ def test_a_refusal_is_raised_in_the_web_process_as_the_same_error(error):
     assert raised.value.message == error.message and raised.value.details == error.details
 
 
-def test_a_uniqueness_race_comes_back_as_an_integrity_error_for_admit_to_re_read():
+def test_a_uniqueness_race_comes_back_as_an_admission_race_for_admit_to_re_read():
     race = sqlite3.IntegrityError("UNIQUE constraint failed: runs.id")
-    with pytest.raises(sqlite3.IntegrityError, match="UNIQUE"):
+    with pytest.raises(errors.AdmissionRace, match="UNIQUE"):
         writer.decode_outcome(writer.encode_outcome(unit_with(error=race)))
 
 

@@ -1,0 +1,186 @@
+"""The admission writer process's loop: accept web processes, commit their admissions.
+
+Started by the supervisor (``supervisor.py``, in the ``serve`` process) as ``python -c
+ENTRY PATH FD``, which calls :func:`main`; nothing else imports this module.  One thread:
+it wakes when anything arrived, decodes every complete request from every web process
+(``codec.py``), settles them as one batch (``group_commit.Batches``, the same code as a
+web process's committer thread, so the same ``reserve_many``, refusals and per-unit
+retry), and answers each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import selectors
+import signal
+import socket
+import sys
+
+from ... import crashpoints, dispatch
+from ...config import Settings
+from ...ledger import db, group_commit
+from .codec import LENGTH, decode_request, encode_outcome, frame, max_frame
+
+log = logging.getLogger("runstile.writer")
+
+#: Seconds the writer waits in select() before re-checking its stop flag.
+_TICK_S = 0.5
+#: Seconds a send to a web thread may block (answers carry a run; the thread reads at once).
+_SEND_TIMEOUT_S = 10.0
+#: Bytes read from a connection per wake-up.
+_READ_BYTES = 256 * 1024
+
+
+class _Connection:
+    """One web thread's connection, and the bytes of a frame not yet whole."""
+
+    __slots__ = ("sock", "buffer")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+
+
+def main() -> int:
+    """``python -c ENTRY PATH FD``: settings arrive pickled on stdin from
+    the ``serve`` process (the same object its web processes use); FD is the lifeline."""
+    settings = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s [writer] %(message)s")
+    lifeline = socket.socket(fileno=int(sys.argv[2]))
+    return serve(settings, sys.argv[1], lifeline)
+
+
+def serve(settings: Settings, path: str, lifeline: socket.socket) -> int:
+    """Accept web processes on ``path`` and commit their admissions, a batch per wake-up,
+    until SIGTERM or until ``lifeline`` closes (the ``serve`` process is gone)."""
+    writer = _Writer(settings, lifeline)
+    # Before anything is opened: from here on a SIGTERM ends the writer cleanly, and it
+    # tells serve it was asked to stop (b"s" on the lifeline) rather than dying mute.
+    signal.signal(signal.SIGTERM, writer.stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops serve, which stops us
+    writer.open(path)
+    writer.run()
+    return 0
+
+
+class _Writer:
+    """The loop of :func:`serve` and what it holds: the listening socket, the lifeline,
+    the selector over both and every web connection, and the batch committer."""
+
+    def __init__(self, settings: Settings, lifeline: socket.socket) -> None:
+        self.settings = settings
+        self.lifeline = lifeline
+        self.stopping = False
+
+    def open(self, path: str) -> None:
+        """Everything the loop needs, and the socket web processes connect to."""
+        settings = self.settings
+        self.limit = max_frame(settings)
+        self.enqueue = dispatch.in_transaction_enqueue(settings)
+        self.batches = group_commit.Batches(lambda: db.connect(
+            settings.ledger_path, synchronous=settings.synchronous,
+            busy_timeout_ms=settings.busy_timeout_ms))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead writer's socket file: bind() cannot reuse it
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(1024)
+        self.listener.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+        self.selector.register(self.lifeline, selectors.EVENT_READ, "lifeline")
+
+    def stop(self, signum: int | None = None, _frame: object = None) -> None:
+        """SIGTERM: finish the batch in hand, then leave the loop."""
+        self.stopping = True
+
+    def run(self) -> None:
+        self.lifeline.sendall(b"r")  # listening: serve may start the web processes
+        while not self.stopping:
+            batch = self._gather()
+            if not batch:
+                continue
+            # Everything that arrived since the last commit shares one transaction.
+            self.batches.settle([unit for _, unit in batch if unit.error is None])
+            crashpoints.hit(self.settings, "writer_after_commit")
+            self._answer(batch)
+        self.batches.close()
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            self.lifeline.sendall(b"s")  # a requested stop, not a crash (supervisor.py)
+
+    def _gather(self) -> list[tuple[_Connection, group_commit.Unit]]:
+        """The requests that arrived by the next wake-up (at most ``_TICK_S`` away)."""
+        batch: list[tuple[_Connection, group_commit.Unit]] = []
+        for key, _ in self.selector.select(_TICK_S):
+            if key.data == "listener":
+                self._accept()
+            elif key.data == "lifeline":
+                if not self.lifeline.recv(1):
+                    self.stopping = True  # EOF: serve is gone
+            else:
+                self._read(key.data, batch)
+        return batch
+
+    def _answer(self, batch: list[tuple[_Connection, group_commit.Unit]]) -> None:
+        for conn, unit in batch:
+            try:
+                conn.sock.sendall(frame(encode_outcome(unit)))
+            except OSError:
+                # The web thread gave up (timeout) or its process died: it answered 503
+                # or nothing, and a retry replays what committed here.
+                self._close(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            # Blocking sends with a deadline (answers carry a run; a web thread reads at
+            # once), reads only when select() says there is something to read.
+            sock.settimeout(_SEND_TIMEOUT_S)
+            self.selector.register(sock, selectors.EVENT_READ, _Connection(sock))
+
+    def _read(self, conn: _Connection, batch: list) -> None:
+        """Add every whole request ``conn`` sent to ``batch``; keep a partial one."""
+        try:
+            data = conn.sock.recv(_READ_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)  # a partial frame left behind is never acted on
+            return
+        buffer = conn.buffer
+        buffer += data
+        while len(buffer) >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(buffer)
+            if length > self.limit:
+                log.warning("dropping a web connection that announced a %d-byte frame", length)
+                self._close(conn)
+                return
+            end = LENGTH.size + length
+            if len(buffer) < end:
+                return
+            payload = bytes(buffer[LENGTH.size:end])
+            del buffer[:end]
+            batch.append((conn, self._unit(payload)))
+
+    def _unit(self, payload: bytes) -> group_commit.Unit:
+        unit = group_commit.Unit(None)
+        try:
+            unit.work = decode_request(payload, self.enqueue)
+        except (ValueError, TypeError) as exc:
+            # Answered with the batch, never committed (settle skips units with errors).
+            unit.error = RuntimeError(f"unreadable admission request: {exc}")
+        return unit
+
+    def _close(self, conn: _Connection) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
