@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import click
 
+from . import filemodes
 from .config import Settings
 from .ledger import db, keys, migrations, nodes
 from .nodelock import NodeLock
@@ -120,6 +121,7 @@ class Supervisor:
                 conn.close()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, self._on_signal)
+            filemodes.warn_loose(self.settings.data_dir)
             registry.load(self.settings.tasks)  # recovery needs each task's on_crash
             # The web starts first and answers /readyz 503 until the barrier opens; no
             # worker process exists before this boot's recovery has finished.

@@ -14,6 +14,7 @@ import tempfile
 from gunicorn.app.base import BaseApplication
 
 from ..config import Settings
+from ..filemodes import PRIVATE_UMASK
 from .writer import WriterProcess
 
 
@@ -45,6 +46,9 @@ class _Gunicorn(BaseApplication):
             "errorlog": "-",
             "loglevel": "warning",
             "proc_name": "runstile-web",
+            # gunicorn's own default is 0 (files it creates open to everyone); serve
+            # already runs with umask 077 (docs/operations.md, "File modes").
+            "umask": PRIVATE_UMASK,
             "child_exit": _child_exit,
         }.items():
             self.cfg.set(name, value)
