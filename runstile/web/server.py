@@ -15,6 +15,7 @@ from gunicorn.app.base import BaseApplication
 
 from ..config import Settings
 from ..filemodes import PRIVATE_UMASK
+from .worker_signals import ThreadWorker
 from .writer import WriterProcess
 
 
@@ -34,7 +35,8 @@ class _Gunicorn(BaseApplication):
         for name, value in {
             "bind": [_bind(s)],
             "workers": s.web_workers,
-            "worker_class": "gthread",
+            # gunicorn's gthread with flag-only signal handlers (worker_signals.py).
+            "worker_class": ThreadWorker,
             "threads": s.web_threads,
             # gthread's timeout watches the worker's main loop, not a request, so a
             # long event stream never trips it.

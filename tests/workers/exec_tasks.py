@@ -233,3 +233,13 @@ def delivers(ctx, input):
     if input.get("approval"):
         ctx.request_approval({"deliveries": len(ids)})
     return {"deliveries": ids}
+
+
+@runstile.task("t.spin")
+def spin(ctx, input):
+    """Keep the interpreter busy (pure Python, no sleeps) for ``seconds``: a body that
+    competes for the GIL with the process's main thread, as a CPU-bound task does."""
+    deadline = time.monotonic() + float(input.get("seconds", 20))
+    while time.monotonic() < deadline:
+        sum(range(1000))
+    return "spun"
