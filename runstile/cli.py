@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from . import filemodes
 from .config import Settings
 from .errors import ConfigError, RunstileError
 
@@ -309,6 +310,8 @@ def db_check(settings, as_json):
     conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms,
                              readonly=True)
     report = maintenance.check(conn)
+    # Warnings, not problems: the ledger is sound, but other users may read it.
+    report["warnings"] = filemodes.loose(settings.data_dir)
     if as_json:
         _emit_json(report)
     else:
@@ -317,6 +320,8 @@ def db_check(settings, as_json):
             click.echo(f"  {name}: {count}")
         for problem in report["problems"]:
             click.echo(f"PROBLEM: {problem}")
+        for warning in report["warnings"]:
+            click.echo(f"WARNING: {warning}")
         click.echo("ok" if report["ok"] else "NOT OK")
     sys.exit(0 if report["ok"] else 1)
 
@@ -367,6 +372,7 @@ def serve(settings, host, port, web_workers, web_threads):
         web_threads=web_threads or settings.web_threads)
     from .web.server import run_gunicorn
     _ledger(settings).close()
+    filemodes.warn_loose(settings.data_dir)
     click.echo(f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
                f"(ledger {settings.ledger_path})", err=True)
     run_gunicorn(settings)
@@ -447,6 +453,10 @@ def _url_host(host: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything is created: the ledger, its WAL, locks, backups and every child
+    # process (gunicorn, the admission writer, worker processes) are for this user only
+    # (docs/operations.md, "File modes").
+    filemodes.restrict_umask()
     try:
         cli.main(args=argv, prog_name="runstile", standalone_mode=False)
     except click.exceptions.Exit as exc:

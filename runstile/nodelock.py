@@ -1,4 +1,5 @@
-"""The node lock (SPEC §5): an flock on ``<data-dir>/node-<node id>.lock`` held for life.
+"""The node lock: an flock on ``<data-dir>/node-<node id>.lock`` held for life
+(docs/operations.md, "Node lock and generations").
 
 The kernel drops an flock when its holder dies, however it dies, so holding the lock is
 proof of life and taking it is proof that every earlier holder is gone.
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import NodeLocked
+from .filemodes import open_lock, private_dir
 
 
 class NodeLock:
@@ -20,8 +22,8 @@ class NodeLock:
         self._fd: int | None = None
 
     def acquire(self) -> "NodeLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        private_dir(self.path.parent)
+        fd = open_lock(self.path)  # 0600: nobody else may open it, let alone flock it
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -33,9 +35,8 @@ class NodeLock:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        # Children started with subprocess do not inherit this descriptor (close_fds),
-        # so the lock dies with this process alone.
-        os.set_inheritable(fd, False)
+        # Opened O_CLOEXEC: children do not inherit this descriptor, so the lock dies
+        # with this process alone.
         self._fd = fd
         return self
 

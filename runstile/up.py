@@ -1,8 +1,10 @@
-"""``runstile up``: the whole system as one supervised process tree (SPEC §9).
+"""``runstile up``: the whole system as one supervised process tree (docs/operations.md).
 
 The supervisor holds the node lock for its whole life, starts a new node generation,
 prints the URL (and a bootstrap admin key on first start), then runs its children in
 its own process group and shuts them all down on SIGINT/SIGTERM, however many arrive.
+The signal handlers only record the signal (runstile/signals.py); the main thread sees
+it within 0.1 s in its watch loop and forwards SIGTERM to the children from there.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ from dataclasses import dataclass, field
 
 import click
 
+from . import filemodes
 from .config import Settings
 from .ledger import db, keys, maintenance, migrations, nodes
 from .nodelock import NodeLock
 from .recovery import reconcile
 from . import tasks as registry
+from .signals import StopSignals
 
-#: Seconds children get after the drain timeout before they are killed (SPEC §6.4).
+#: Seconds children get after the drain timeout before they are killed
+#: (docs/operations.md, "Signals").
 KILL_GRACE_S = 5.0
+#: Seconds between two looks at the children and the signal pipe.
+WATCH_S = 0.1
 
 
 @dataclass
@@ -39,7 +46,9 @@ class Supervisor:
     settings: Settings
     web: bool = True
     children: list[Child] = field(default_factory=list)
+    #: Set by the main thread alone, once it has forwarded SIGTERM to the children.
     stopping: bool = False
+    signals: StopSignals | None = None
 
     def _common_args(self) -> list[str]:
         args = ["--data-dir", str(self.settings.data_dir)]
@@ -95,8 +104,8 @@ class Supervisor:
                        "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
         sys.stdout.flush()
 
-    def _on_signal(self, signum, frame) -> None:
-        del frame
+    def _stop(self) -> None:
+        """Forward SIGTERM to every child, once (main thread only, never a handler)."""
         if not self.stopping:
             self.stopping = True
             self._signal_children(signal.SIGTERM)
@@ -121,8 +130,8 @@ class Supervisor:
                 generation = nodes.boot(conn, self.settings.node_id)
             finally:
                 conn.close()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, self._on_signal)
+            self.signals = StopSignals()
+            filemodes.warn_loose(self.settings.data_dir)
             registry.load(self.settings.tasks)  # recovery needs each task's on_crash
             # The web starts first and answers /readyz 503 until the barrier opens; no
             # worker process exists before this boot's recovery has finished.
@@ -132,11 +141,11 @@ class Supervisor:
             except Exception as exc:
                 # No worker may start without this boot's recovery; stop what runs.
                 click.echo(f"runstile: boot recovery failed: {exc}", err=True)
-                self._on_signal(signal.SIGTERM, None)
+                self._stop()
                 self._watch()
                 return 1
-            if self.stopping:
-                return self._watch()
+            if self.signals.received:
+                return self._watch()  # stopped during boot: no worker starts
             self._start(self.plan_workers(generation))
             threading.Thread(target=self._scheduled_recovery, args=(generation,),
                              name="runstile-recovery", daemon=True).start()
@@ -151,7 +160,7 @@ class Supervisor:
             lock.release()
 
     def _scheduled_recovery(self, generation: int) -> None:
-        """SPEC §6.1: a recovery pass every RUNSTILE_RECOVERY_INTERVAL_S while up."""
+        """A recovery pass every RUNSTILE_RECOVERY_INTERVAL_S while up."""
         while not self.stopping:
             time.sleep(self.settings.recovery_interval_s)
             if self.stopping:
@@ -164,14 +173,16 @@ class Supervisor:
     def _watch(self) -> int:
         failed = False
         while not self.stopping:
+            if self.signals.wait(WATCH_S):
+                self._stop()
+                break
             for child in self.children:
                 code = child.proc.poll()
                 if code is not None:
                     click.echo(f"runstile: {child.name} exited with {code}; stopping", err=True)
                     failed = True
-                    self._on_signal(signal.SIGTERM, None)
+                    self._stop()
                     break
-            time.sleep(0.1)
         deadline = time.monotonic() + self.settings.drain_timeout_s + KILL_GRACE_S
         while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
             time.sleep(0.05)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
+from ..filemodes import open_lock, private_file
 
 #: The ledger's clock as an SQL expression: Unix seconds with millisecond precision.
 #: Every lease and timestamp comes from here so that all processes share one clock.
@@ -102,6 +103,7 @@ def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int
             conn = sqlite3.connect(uri, uri=True, isolation_level=None, factory=LedgerConnection,
                                    timeout=busy_timeout_ms / 1000, check_same_thread=False)
         else:
+            private_file(path)  # a new ledger (and so its WAL and SHM) is 0600
             conn = sqlite3.connect(str(path), isolation_level=None, factory=LedgerConnection,
                                    timeout=busy_timeout_ms / 1000, check_same_thread=False)
         conn.writer_path = str(Path(path).resolve())
@@ -137,7 +139,9 @@ class WriterGate:
 
     def _fd_for_process(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # 0600: a user who could open it (read-only is enough) could flock it and
+            # hold every writer of the ledger out.
+            self._fd = open_lock(self.lock_path)
         return self._fd
 
     @contextlib.contextmanager

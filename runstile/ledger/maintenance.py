@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from ..filemodes import private_dir, private_file
 from . import db, migrations
 from .states import NON_TERMINAL, sql_list
 
@@ -81,7 +82,8 @@ def fold_wal(path: Path) -> None:
 
 def backup(conn: sqlite3.Connection, target: Path) -> int:
     """Online, consistent copy through SQLite's backup API; returns the page count."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(target.parent)
+    private_file(target)  # a copy of every tenant's data: 0600 like the ledger
     with db.ledger_errors():
         dest = sqlite3.connect(str(target))
         try:

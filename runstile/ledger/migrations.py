@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
+from ..filemodes import private_dir
 from . import db
 
 
@@ -56,7 +57,7 @@ def current_version(conn: sqlite3.Connection) -> int:
 
 def migrate(path: Path, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000) -> int:
     """Bring the ledger at ``path`` to LATEST_VERSION; return the version it was at."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     conn = db.connect(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms)
     try:
         _switch_to_wal(conn, busy_timeout_ms / 1000)

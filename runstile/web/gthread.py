@@ -36,6 +36,7 @@ from ..errors import (ExpectationFailed, MalformedRequest, RequestHeadersTooLarg
                       RequestLineTooLong, RequestTimeout, RunstileError,
                       UnsupportedTransferCoding)
 from .request_reader import Refusal, RequestReader, Verdict
+from .worker_signals import FlagOnlySignals
 
 #: Largest head (request line and headers) the front buffers; runstile's API needs ~2 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -88,8 +89,9 @@ class _Waiting:
         self.drain_left, self.continued = drain_left, False
 
 
-class BufferingThreadWorker(ThreadWorker):
-    """gthread, with the event loop reading requests whole and closing connections gently.
+class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
+    """gthread, with the event loop reading requests whole and closing connections gently,
+    and signal handlers that only set flags (web/worker_signals.py).
 
     The settings come from the gunicorn application (web/server.py), read once there.
     """

@@ -15,6 +15,7 @@ import tempfile
 from gunicorn.app.base import BaseApplication
 
 from ..config import Settings, share_metrics_across_processes
+from ..filemodes import PRIVATE_UMASK
 from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
 
@@ -37,7 +38,8 @@ class _Gunicorn(BaseApplication):
             "bind": [_bind(s)],
             "workers": s.web_workers,
             # gthread whose event loop reads each request whole before a thread sees
-            # it, and answers what it refuses as JSON (web/gthread.py).
+            # it, answers what it refuses as JSON (web/gthread.py), and whose signal
+            # handlers only set flags (web/worker_signals.py).
             "worker_class": BufferingThreadWorker,
             "threads": s.web_threads,
             # gthread's timeout watches the worker's main loop, not a request, so a
@@ -50,6 +52,9 @@ class _Gunicorn(BaseApplication):
             "errorlog": "-",
             "loglevel": "warning",
             "proc_name": "runstile-web",
+            # gunicorn's own default is 0 (files it creates open to everyone); serve
+            # already runs with umask 077 (docs/operations.md, "File modes").
+            "umask": PRIVATE_UMASK,
             "child_exit": self._child_exit,
         }.items():
             self.cfg.set(name, value)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 
@@ -20,6 +19,7 @@ from ..errors import RunstileError
 from ..ledger import recovery
 from ..ledger.db import ConnectionPool
 from .. import tasks as registry
+from ..signals import StopSignals
 from . import actors, delivery
 from .broker import make_broker
 from .lease import Executions, LeaseKeeper
@@ -28,6 +28,8 @@ log = logging.getLogger("runstile.workers")
 
 #: Milliseconds Dramatiq's consumers wait in __next__ before checking for shutdown.
 CONSUMER_TIMEOUT_MS = 1000
+#: Seconds the main thread waits on the signal pipe before looking again.
+SIGNAL_POLL_S = 1.0
 
 
 def run(settings: Settings, generation: int) -> int:
@@ -45,25 +47,26 @@ def run(settings: Settings, generation: int) -> int:
                                                 generation=generation))
     keeper = LeaseKeeper(settings, settings.node_id, generation, os.getpid(), executions, pool)
     keeper.start()
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    # Before the first message: a stop signal from now on is a drain (never an
+    # Event.set() in a handler, which can deadlock: see runstile/signals.py).
+    signals = StopSignals()
     worker = dramatiq.Worker(broker, worker_threads=settings.threads,
                              worker_timeout=CONSUMER_TIMEOUT_MS)
     worker.start()
     log.info("worker up: node %s generation %d, %d threads", settings.node_id, generation,
              settings.threads)
-    stop.wait()
+    while not signals.wait(SIGNAL_POLL_S):
+        pass
     drain(settings, worker, executions, pool, generation)
     keeper.stop()
     logging.shutdown()
-    # Do not wait for abandoned body threads (SPEC §6.4).
+    # Do not wait for abandoned body threads (docs/operations.md, "Signals").
     os._exit(0)
 
 
 def drain(settings: Settings, worker: dramatiq.Worker, executions: Executions,
           pool: ConnectionPool, generation: int) -> None:
-    """SPEC §6.4: stop consuming, let running bodies finish for up to the drain timeout
+    """Stop consuming, let running bodies finish for up to the drain timeout
     (heartbeats go on), then mark every run still in flight as a controlled interruption
     in ONE transaction.  The next recovery re-queues those runs with attempt + 1."""
     log.info("draining: no new messages; waiting up to %.1fs for %d running bodies",

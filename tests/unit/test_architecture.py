@@ -18,21 +18,24 @@ PACKAGE = Path(__file__).resolve().parents[2] / "runstile"
 #: Which runstile modules each part may import (by first name under ``runstile.``).
 #: Imports point one way: foundations -> ledger -> dispatch -> web | workers | recovery
 #: -> up -> cli.  ``client`` stands apart: it imports nothing of the server side.
-FOUNDATIONS = {"errors", "config", "crashpoints", "fingerprint", "jsondepth", "netguard",
-               "nodelock", "objects", "tasks", "webhooks", "__version__"}
+FOUNDATIONS = {"errors", "config", "crashpoints", "filemodes", "fingerprint", "jsondepth",
+               "netguard", "nodelock", "objects", "signals", "tasks", "webhooks",
+               "__version__"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors"},
     "crashpoints": {"config"},
     "fingerprint": {"errors"},
     "jsondepth": set(),
+    "filemodes": set(),
+    "signals": set(),
     "netguard": {"errors"},
-    "nodelock": {"errors"},
+    "nodelock": {"errors", "filemodes"},
     "objects": {"errors", "jsondepth"},
     "tasks": {"errors"},
     "webhooks": {"errors", "netguard"},
     "client": {"errors"},
-    "ledger": {"errors", "jsondepth"},
+    "ledger": {"errors", "filemodes", "jsondepth"},
     "dispatch": {"config", "errors", "ledger"},
     "web": FOUNDATIONS | {"ledger", "dispatch"},
     "workers": FOUNDATIONS | {"ledger", "dispatch"},

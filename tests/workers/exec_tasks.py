@@ -261,3 +261,13 @@ def tenant_step(ctx, input):
     time.sleep(input.get("hold_s", 0.2))
     log_line(input["log"], f"end {input['tag']} {ctx.run_id} {time.time():.6f}")
     return {"tag": input["tag"]}
+
+
+@runstile.task("t.spin")
+def spin(ctx, input):
+    """Keep the interpreter busy (pure Python, no sleeps) for ``seconds``: a body that
+    competes for the GIL with the process's main thread, as a CPU-bound task does."""
+    deadline = time.monotonic() + float(input.get("seconds", 20))
+    while time.monotonic() < deadline:
+        sum(range(1000))
+    return "spun"
