@@ -46,6 +46,13 @@ def handler_body(scopes: list[ast.AST], handler: ast.expr) -> list[ast.stmt] | N
         return None  # signal.SIG_IGN, signal.SIG_DFL
     if isinstance(handler, ast.Lambda):
         return [ast.Expr(handler.body)]
+    if isinstance(handler, ast.Attribute) and getattr(handler.value, "id", None) != "self":
+        # ``obj.method`` on a local object: the one method of that name in the module.
+        methods = [node.body for cls in ast.walk(scopes[-1]) if isinstance(cls, ast.ClassDef)
+                   for node in cls.body
+                   if isinstance(node, ast.FunctionDef) and node.name == handler.attr]
+        if len(methods) == 1:
+            return methods[0]
     if isinstance(handler, ast.Attribute):
         name, kinds = handler.attr, (ast.ClassDef,)
     else:
@@ -102,7 +109,7 @@ def handlers() -> list[tuple[str, list[ast.AST], ast.expr]]:
 def test_runstile_registers_signal_handlers():
     # The check below would pass vacuously if registrations were not found.
     assert {path for path, _, _ in HANDLERS} >= {"runstile/signals.py",
-                                                    "runstile/web/writer.py",
+                                                    "runstile/web/writer/server.py",
                                                     "runstile/web/worker_signals.py"}
 
 
