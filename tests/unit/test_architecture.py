@@ -56,14 +56,13 @@ MAX_FUNCTION_LINES = 40
 #: an entry that grew, fails the test (the number is the most lines it may have).
 LONG_MODULES: dict[str, int] = {
     "cli": 706, "web.writer": 466,
-    "workers.sqlite_broker": 691,
 }
 LONG_FUNCTIONS: dict[str, int] = {
     "ledger.execution:claim": 44, "ledger.recovery:apply": 44,
     "ledger.recovery:apply_terminal_many": 61, "recovery.reconcile:run_pass": 90,
     "web.admission:build": 58, "web.openapi:document": 176, "web.runs:_stream": 41,
     "web.writer:serve": 53, "webhooks:deliver": 113, "workers.actors:_execute": 67,
-    "workers.context:step": 47, "workers.sqlite_broker:_run": 70,
+    "workers.context:step": 47,
 }
 
 
