@@ -1,6 +1,7 @@
-"""The embedded broker's rows (RUNSTILE_BROKER_URL=sqlite, SPEC §5): all of its SQL.
+"""The embedded broker's rows (RUNSTILE_BROKER_URL=sqlite, docs/architecture.md, "The
+embedded broker"): all of its SQL.
 
-``workers/sqlite_broker.py`` turns these functions into a Dramatiq ``Broker`` and
+``workers/sqlite_broker/`` turns these functions into a Dramatiq ``Broker`` and
 ``Consumer``; admission calls :func:`insert_message` inside its own transaction so the
 run and its message commit together (no dual write).
 

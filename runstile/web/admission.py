@@ -22,8 +22,10 @@ from ..netguard import callback_refusal
 
 RUN_ID_PATTERN = "run_[0-9a-f]{32}"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
-#: Idempotency keys: 1-255 visible ASCII characters (code points 33-126).
-_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+#: Idempotency keys: 1-255 visible ASCII characters (code points 33-126, "!" to "~");
+#: the OpenAPI document states the same pattern.
+IDEMPOTENCY_KEY_PATTERN = "[!-~]{1,255}"
+_KEY = re.compile(IDEMPOTENCY_KEY_PATTERN)
 LEGACY_PREFIX = "legacy-run:"
 FIELDS = {"task", "input", "run_id", "session_key", "trigger_id", "callback_url", "metadata"}
 MAX_METADATA_KEYS = 32

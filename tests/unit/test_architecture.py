@@ -59,13 +59,11 @@ MAX_FUNCTION_LINES = 40
 #: an entry that grew, fails the test (the number is the most lines it may have).
 LONG_MODULES: dict[str, int] = {
     "cli": 706,
-    "workers.sqlite_broker": 691,
 }
 LONG_FUNCTIONS: dict[str, int] = {
     "ledger.recovery:apply": 44, "ledger.recovery:apply_terminal_many": 61,
-    "recovery.reconcile:run_pass": 90, "web.openapi:document": 176,
-    "workers.actors:_execute": 67, "workers.context:step": 47,
-    "workers.sqlite_broker:_run": 70,
+    "recovery.reconcile:run_pass": 90, "workers.actors:_execute": 67,
+    "workers.context:step": 47,
 }
 
 
