@@ -57,9 +57,7 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 40
 #: Modules and functions over budget today.  This list may only shrink: a new entry, or
 #: an entry that grew, fails the test (the number is the most lines it may have).
-LONG_MODULES: dict[str, int] = {
-    "cli": 706,
-}
+LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS: dict[str, int] = {
     "ledger.recovery:apply": 44, "ledger.recovery:apply_terminal_many": 61,
     "recovery.reconcile:run_pass": 90, "workers.actors:_execute": 67,

@@ -1,0 +1,129 @@
+"""The options and helpers every ``runstile`` command group shares.
+
+Each repeated option stack is one decorator here, so a command names it once and its
+help text is written once: ``settings_options`` (``--data-dir``, ``--tasks``, turned into
+``settings``), ``json_option`` (``--json``), ``client_options`` (those two plus ``--url``
+and ``--api-key``, turned into a ``Client``), ``listen_options`` (``--host``, ``--port``),
+``pool_options`` (``--workers``, ``--threads``) and ``web_workers_option``.  A decorator
+adds its options where it stands in a command's stack, so ``--help`` lists them in that
+order.
+
+``_emit_json``, ``_fail`` and ``_ledger`` keep the names they had in the one-module
+command line: the command modules of this package (keys, db, deliveries, serve, runs)
+call them; nothing outside ``runstile.cli`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from ..config import Settings
+from ..errors import ConfigError
+
+
+def settings_options(fn):
+    """Add --data-dir and --tasks to a subcommand and turn them into ``settings``."""
+
+    @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                  help="Data directory [env RUNSTILE_DATA_DIR; default ./runstile-data].")
+    @click.option("--tasks", "tasks", multiple=True,
+                  help="Task module to import (repeatable) [env RUNSTILE_TASKS; "
+                       "default runstile.demo].")
+    @functools.wraps(fn)
+    def wrapper(*args, data_dir, tasks, **kwargs):
+        try:
+            settings = Settings.from_env(data_dir=data_dir, tasks=tuple(tasks) or None)
+        except ConfigError as exc:
+            raise click.UsageError(exc.message) from None
+        return fn(settings, *args, **kwargs)
+
+    return wrapper
+
+
+def json_option(fn=None, *, help: str = "Print one JSON object."):
+    """Add --json (as ``as_json``); ``help`` for a command whose JSON is not all it prints."""
+    option = click.option("--json", "as_json", is_flag=True, help=help)
+    return option if fn is None else option(fn)
+
+
+def client_options(fn):
+    """Add --data-dir, --tasks, --url and --api-key to a `runs` command and hand it a
+    ``Client``.
+
+    The settings are built (an invalid ``RUNSTILE_*`` value is a usage error, as for every
+    command) and not used: `runs` never opens the ledger.  An API error ends the command
+    with exit 1 and ``error: <code>: <message>``.
+    """
+    return settings_options(_client(fn))
+
+
+def _client(fn):
+    # --url and --api-key are read once, by click, from flags or env.
+    @click.option("--url", envvar="RUNSTILE_URL", default="http://127.0.0.1:8000",
+                  show_default=True, help="Server URL [env RUNSTILE_URL].")
+    @click.option("--api-key", envvar="RUNSTILE_API_KEY", default=None,
+                  help="API key [env RUNSTILE_API_KEY].")
+    @functools.wraps(fn)
+    def wrapper(settings, *args, url, api_key, **kwargs):
+        from ..client import Client
+        from ..errors import ApiError
+        if not api_key:
+            raise click.UsageError("an API key is needed: --api-key or RUNSTILE_API_KEY "
+                                   "(`runstile keys create` makes one)")
+        try:
+            client = Client(url, api_key)
+        except ValueError as exc:  # a URL that is not http(s), a malformed key
+            raise click.UsageError(str(exc)) from None
+        try:
+            return fn(client, *args, **kwargs)
+        except ApiError as exc:
+            _fail(f"{exc.code}: {exc.message}")
+        finally:
+            client.close()
+
+    return wrapper
+
+
+def listen_options(fn):
+    """Add --host and --port (``serve``, ``up``)."""
+    fn = click.option("--port", type=click.IntRange(1, 65535), default=None,
+                      help="Listen port [default 8000].")(fn)
+    return click.option("--host", default=None, help="Listen address [default 127.0.0.1].")(fn)
+
+
+def pool_options(fn):
+    """Add --workers and --threads, the worker pool (``up``, ``worker``)."""
+    fn = click.option("--threads", type=click.IntRange(1, 256), default=None,
+                      help="Threads per worker process [default 4].")(fn)
+    return click.option("--workers", type=click.IntRange(1, 64), default=None,
+                        help="Worker processes [default 2].")(fn)
+
+
+def web_workers_option(fn):
+    """Add --web-workers (``serve``, ``up``)."""
+    return click.option("--web-workers", type=click.IntRange(1, 64), default=None,
+                        help="Web processes [default 2].")(fn)
+
+
+def _emit_json(obj: dict) -> None:
+    click.echo(json.dumps(obj, separators=(",", ":"), sort_keys=True))
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _ledger(settings: Settings):
+    """Migrate (once, at start) and open a connection."""
+    from ..ledger import db, migrations
+    migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
+                       busy_timeout_ms=settings.busy_timeout_ms)
+    return db.connect(settings.ledger_path, synchronous=settings.synchronous,
+                      busy_timeout_ms=settings.busy_timeout_ms)

@@ -1,0 +1,115 @@
+"""``runstile up|serve|worker|recover``: the commands that run runstile's processes.
+
+``up`` is the supervised process tree (web, workers and recovery on the embedded
+broker), ``serve`` the web tier alone, ``worker`` the worker processes alone, ``recover``
+one recovery pass for cron; the hidden ``worker-process`` is the one worker process that
+``up`` and ``worker`` start (runstile.up).  ``runstile.cli`` adds them to the root command.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .. import filemodes
+from ..config import Settings
+from .options import (
+    _emit_json,
+    _ledger,
+    json_option,
+    listen_options,
+    pool_options,
+    settings_options,
+    web_workers_option,
+)
+
+
+def _host_port(settings: Settings, host: str | None, port: int | None) -> Settings:
+    return settings.replace(host=host or settings.host, port=port or settings.port)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@click.command("serve")
+@settings_options
+@listen_options
+@web_workers_option
+@click.option("--threads", "web_threads", type=click.IntRange(1, 256), default=None,
+              help="Threads per web process [env RUNSTILE_WEB_THREADS; default 16].")
+def serve(settings, host, port, web_workers, web_threads):
+    """Serve the HTTP API (gunicorn, gthread workers)."""
+    settings = _host_port(settings, host, port).replace(
+        web_workers=web_workers or settings.web_workers,
+        web_threads=web_threads or settings.web_threads)
+    from ..web.server import run_gunicorn
+    _ledger(settings).close()
+    filemodes.warn_loose(settings.data_dir)
+    click.echo(f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
+               f"(ledger {settings.ledger_path})", err=True)
+    run_gunicorn(settings)
+
+
+@click.command("up")
+@settings_options
+@listen_options
+@pool_options
+@web_workers_option
+def up(settings, host, port, workers, threads, web_workers):
+    """The main job: web, workers and recovery on the embedded broker, one process tree."""
+    from ..up import Supervisor
+    settings = _host_port(settings, host, port).replace(
+        workers=workers or settings.workers, threads=threads or settings.threads,
+        web_workers=web_workers or settings.web_workers)
+    sys.exit(Supervisor(settings).run())
+
+
+@click.command("worker")
+@settings_options
+@pool_options
+def worker(settings, workers, threads):
+    """Worker processes only (for deployments with Redis or RabbitMQ, or a separate web)."""
+    from ..up import Supervisor
+    settings = settings.replace(workers=workers or settings.workers,
+                                threads=threads or settings.threads)
+    sys.exit(Supervisor(settings, web=False).run())
+
+
+@click.command("worker-process", hidden=True)
+@settings_options
+@click.option("--generation", type=click.IntRange(1), required=True)
+@click.option("--threads", type=click.IntRange(1, 256), default=None)
+def worker_process(settings, generation, threads):
+    """One worker process; started by `up` / `worker`, which hold the node lock."""
+    from ..workers import process
+    sys.exit(process.run(settings.replace(threads=threads or settings.threads), generation))
+
+
+@click.command("recover")
+@settings_options
+@json_option(help="Print the report as one JSON object.")
+def recover(settings, as_json):
+    """One recovery pass now (for cron); never bumps a node generation."""
+    import logging
+
+    from .. import tasks as registry
+    from ..ledger import db as ledger_db
+    from ..ledger import recovery as ledger_recovery
+    from ..recovery import reconcile
+    logging.basicConfig(level=logging.INFO if not as_json else logging.WARNING,
+                        format="%(asctime)s %(levelname)s [recover] %(message)s")
+    registry.load(settings.tasks)
+    _ledger(settings).close()
+    conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)
+    try:
+        generation, _ = ledger_recovery.node_generations(conn, settings.node_id)
+    finally:
+        conn.close()
+    report = reconcile.run_pass(settings, generation=generation, trigger="command")
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        click.echo(f"recovered: {dict(report.counts) or 'nothing to do'} "
+                   f"in {report.duration_s:.3f}s")
