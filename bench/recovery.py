@@ -3,7 +3,7 @@
 runstile  ``python -m runstile recover --json --data-dir D --tasks bench.bench_tasks``
           (a real subprocess, from the repository root) on a 100,000-run ledger in
           which one node died with 1,000 runs in flight: their leases expired, nobody
-          has recovered them yet.  Recovered = classified by SPEC §6.3 and moved by its
+          has recovered them yet.  Recovered = classified by docs/tasks.md, "When the worker is gone" and moved by its
           guarded UPDATE, committed (``bench.noop`` declares no ``on_crash``, so the
           default ``interrupt`` applies: running -> interrupted, with its event).
 dbos      DBOS on SQLite (as DBOS opens it, and in WAL mode): an application that
@@ -29,7 +29,7 @@ its ``run.started`` event; the finish; the broker ack), then each is copied with
 recursive-CTE ``INSERT ... SELECT`` into the schema ``migrations.migrate`` created, with
 fresh ids and times spread over the past days, and the originals are deleted.  After the
 pass, a snapshot taken before it is compared table by table: exactly the 1,000 runs
-changed, as §6.3 says, each with one new ``run.interrupted`` event; nothing else.
+changed, as docs/tasks.md, "When the worker is gone" says, each with one new ``run.interrupted`` event; nothing else.
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ _CHECKED_APART = ("runs", "events", "profiles", "recovery_reports", "sqlite_sequ
 
 def verify_pass(after: Path, before: Path, orphan_ids: list[str], report: dict) -> list[str]:
     """Compare the ledger after the pass with the snapshot taken before it.  Returns the
-    problems found (empty: exactly the orphans changed, as SPEC §6.3 says)."""
+    problems found (empty: exactly the orphans changed, as docs/tasks.md, "When the worker is gone" says)."""
     problems = []
     orphans = set(orphan_ids)
     with contextlib.closing(sqlite3.connect(f"file:{after}?mode=ro", uri=True)) as c:

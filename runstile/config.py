@@ -1,7 +1,8 @@
 """Settings: read once from the environment (or flags), validated, then passed down.
 
 Nothing below this module reads ``os.environ``; every part of runstile receives a
-:class:`Settings` explicitly (DESIGN §3, "settings flow in").  Every variable is
+:class:`Settings` explicitly: settings flow in, nothing below reads the environment
+(docs/configuration.md).  Every variable is
 documented with its default and unit in ``docs/configuration.md``; a test keeps the
 two in step.
 """
@@ -19,9 +20,10 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 
-#: The synchronous levels SQLite accepts; FULL is the durable default (SPEC §2.1).
+#: The synchronous levels SQLite accepts; FULL is the durable default (docs/guarantees.md, "1. Durable admission").
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
-#: Crash points that code names (DESIGN §3 "crash tests two ways"); see crashpoints.py.
+#: Crash points that code names, for crash tests that SIGKILL a process at a named point
+#: (docs/configuration.md, RUNSTILE_CRASHPOINT); see crashpoints.py.
 CRASHPOINTS = ("after_admit_commit", "after_claim", "after_step_start", "after_body",
                "after_finish", "mid_recovery", "after_delivery_send", "writer_after_commit")
 
@@ -146,7 +148,7 @@ def _default_node_id() -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything configurable, with units in the names (DESIGN §3)."""
+    """Everything configurable, with units in the names (docs/architecture.md)."""
 
     #: Folder holding ``ledger.db``, node lock files and metrics scratch files.
     data_dir: Path = Path("./runstile-data")

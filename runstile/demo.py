@@ -1,6 +1,6 @@
 """Demo tasks: what ``runstile up`` registers when no ``--tasks`` are given.
 
-Each shows one feature of the task API (SPEC §5); the README's tour submits them.
+Each shows one feature of the task API (docs/tasks.md); the README's tour submits them.
 """
 
 from __future__ import annotations

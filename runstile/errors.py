@@ -1,6 +1,6 @@
-"""One error tree (DESIGN §3).  Every error runstile raises derives from RunstileError.
+"""One error tree (docs/architecture.md).  Every error runstile raises derives from RunstileError.
 
-Errors that reach a client carry a stable ``code`` (SPEC §3) and an HTTP ``status``;
+Errors that reach a client carry a stable ``code`` (docs/api.md) and an HTTP ``status``;
 ``web/errors.py`` is the one place that turns them into responses.
 """
 

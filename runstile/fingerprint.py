@@ -1,4 +1,4 @@
-"""Request fingerprints (SPEC §3.1): SHA-256 of the RFC 8785 (JCS) canonical body.
+"""Request fingerprints (docs/api.md, "POST /v1/runs"): SHA-256 of the RFC 8785 (JCS) canonical body.
 
 The version is stored with every fingerprint so that a future change of normalisation
 can compare old records with the old rules instead of refusing honest retries.

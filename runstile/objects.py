@@ -1,4 +1,4 @@
-"""Public JSON shapes (SPEC §3.2): the run object and event object, from ledger rows.
+"""Public JSON shapes (docs/api.md, "The run object"): the run object and event object, from ledger rows.
 
 Shared by the web tier and (later) webhook payloads, so a run looks the same wherever
 a client meets it.
@@ -77,7 +77,7 @@ def event_object(event: dict) -> dict:
 
 
 def delivery_object(row: dict) -> dict:
-    """A delivery obligation as the API shows it (SPEC §3.4 "Deliveries", §7)."""
+    """A delivery obligation as the API shows it (docs/api.md, "Deliveries (webhooks)")."""
     return {
         "object": "delivery",
         "id": row["id"],

@@ -28,7 +28,7 @@ class TaskSpec:
     fn: Callable
     #: Seconds a body may run before runstile fails it with time_limit_exceeded.
     time_limit_s: float | None = None
-    #: What recovery does when the owner died mid-body (SPEC §6.3).
+    #: What recovery does when the owner died mid-body (docs/tasks.md, "When the worker is gone").
     on_crash: str = "interrupt"
     #: How many times a raising body is re-queued before the run fails.
     retries: int = 0

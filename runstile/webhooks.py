@@ -45,7 +45,7 @@ from .netguard import PinnedConnection, callback_target, checked_addresses
 
 #: Prefix of a signing secret; the rest is standard base64.
 SECRET_PREFIX = "whsec_"
-#: Fewest key bytes a signing secret may carry (SPEC §7); ``new_secret`` makes 32.
+#: Fewest key bytes a signing secret may carry (docs/api.md, "Deliveries (webhooks)"); ``new_secret`` makes 32.
 MIN_SECRET_BYTES = 24
 #: User-Agent of every delivery request.
 USER_AGENT = "runstile-webhooks/1"
@@ -364,7 +364,7 @@ def next_delay_s(attempt: int, base_s: float, cap_s: float = 300.0,
                  rand: Callable[[], float] = random.random) -> float:
     """Seconds to wait after failed attempt number ``attempt`` (1 = the first attempt).
 
-    Exponential: ``base_s * 2**(attempt-1)`` capped at ``cap_s`` (SPEC §7: 1 s doubling
+    Exponential: ``base_s * 2**(attempt-1)`` capped at ``cap_s`` (docs/api.md, "Deliveries (webhooks)": 1 s doubling
     to 5 min), with **equal jitter** — half of that fixed, the other half uniformly
     random (``rand()`` in [0, 1)) — so retries spread out yet never come sooner than
     half the schedule.  A receiver's ``retry_after_s`` is a floor (capped at

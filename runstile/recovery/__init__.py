@@ -1,1 +1,1 @@
-"""Recovery: the boot barrier, journal reconciliation and drain (SPEC §6)."""
+"""Recovery: the boot barrier, journal reconciliation and drain (docs/operations.md, "Recovery")."""

@@ -1,4 +1,4 @@
-"""The HTTP API (SPEC §3): ``create_app(settings)`` builds a Flask app; nothing global.
+"""The HTTP API (docs/api.md): ``create_app(settings)`` builds a Flask app; nothing global.
 
 The web tier never imports ``workers.actors`` (actors bind to a broker when decorated);
 it learns task names from the registry and hands runs to workers through the ledger.

@@ -1,4 +1,5 @@
-"""Turning a POST /v1/runs into an AdmissionRequest, check by check in SPEC §3.1 order.
+"""Turning a POST /v1/runs into an AdmissionRequest, check by check in the order of
+docs/api.md, "Check order".
 
 Order after auth: body size → content type → JSON → Idempotency-Key syntax → schema →
 run_id syntax.  The checks that apply only to new runs (callback_url, task known,

@@ -1,4 +1,4 @@
-"""Bearer-key authentication (SPEC §3): every failure is the same bare 401."""
+"""Bearer-key authentication (docs/api.md): every failure is the same bare 401."""
 
 from __future__ import annotations
 

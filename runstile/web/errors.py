@@ -25,7 +25,7 @@ _HTTP = {404: (RouteNotFound, "no route matches this path"),
 
 def error_response(exc: RunstileError):
     body = {"code": exc.code, "message": exc.message}
-    if not isinstance(exc, Unauthorized):  # a 401 carries no detail (SPEC §3)
+    if not isinstance(exc, Unauthorized):  # a 401 carries no detail (docs/api.md)
         body.update(exc.details)
     response = jsonify({"error": body})
     response.status_code = exc.status

@@ -1,4 +1,4 @@
-"""Service routes (SPEC §3.5): capabilities, health, readiness, metrics, OpenAPI."""
+"""Service routes (docs/api.md, "GET /v1/capabilities" and after): capabilities, health, readiness, metrics, OpenAPI."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def prometheus():
 
 @blueprint.get("/openapi.json")
 def openapi_document():
-    authenticate()  # SPEC §3: only /healthz, /readyz and /metrics answer without a key
+    authenticate()  # docs/api.md: only /healthz, /readyz and /metrics answer without a key
     return jsonify(openapi.document())
 
 

@@ -1,6 +1,6 @@
 """RUNSTILE_BROKER_URL -> a Dramatiq broker with runstile's explicit middleware list.
 
-Dramatiq's defaults are left out on purpose (DESIGN §4): Retries would redeliver a
+Dramatiq's defaults are left out on purpose (docs/architecture.md): Retries would redeliver a
 failed message, TimeLimit raises asynchronously at any point, AgeLimit drops
 re-published messages.  runstile retries and limits runs through the ledger, and runs
 ``async def`` bodies itself, so no middleware is needed at all.

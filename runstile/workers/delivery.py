@@ -1,4 +1,4 @@
-"""The deliverer (SPEC §7): one Dramatiq message = one attempt at one obligation.
+"""The deliverer (docs/api.md, "Deliveries (webhooks)"): one Dramatiq message = one attempt at one obligation.
 
 claim (guarded: pending and due -> attempting, fence + 1) -> sign and POST through the
 SSRF guard (``runstile.webhooks``) -> settle with a compare-and-set on the fence.  A
@@ -33,7 +33,7 @@ MAX_RESPONSE_BYTES = 64 * 1024
 
 
 def payload(obligation: dict, run: dict | None) -> dict:
-    """The JSON body of an attempt: ``{"type","timestamp","data"}`` (SPEC §7).
+    """The JSON body of an attempt: ``{"type","timestamp","data"}`` (docs/api.md, "Deliveries (webhooks)").
 
     A callback's ``data`` is the run object as it was when the event was written: the
     run's columns that change are taken from the snapshot the trigger stored, the rest
