@@ -40,7 +40,7 @@ lint: venv
 
 ## docs: build docs/ with mkdocs --strict (a broken link or anchor fails)
 docs: venv
-	$(VENV)/bin/mkdocs build --strict --quiet
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
