@@ -54,7 +54,7 @@ class Settings:
     keep: bool
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         return cls(duration_s=float(os.environ.get("BENCH_SECONDS", "10")),
                    warmup_s=float(os.environ.get("BENCH_WARMUP", "2")),
                    processes=int(os.environ.get("BENCH_CLIENT_PROCESSES", "4")),

@@ -9,7 +9,6 @@ runs send no ``mark``, so their bodies do no I/O at all.
 from __future__ import annotations
 
 import runstile
-
 from bench.peers.counter import mark_start
 
 

@@ -46,9 +46,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .admission import BIN, HOST, REPO, clean_env, free_port, group_cpu_s, temp_dir
 from .load import quiet_child
@@ -94,7 +94,7 @@ class ExecSettings:
     keep: bool
 
     @classmethod
-    def from_env(cls) -> "ExecSettings":
+    def from_env(cls) -> ExecSettings:
         env = os.environ.get
         targets = tuple(t.strip() for t in env("BENCH_EXEC_TARGETS", ",".join(ALL_TARGETS))
                         .split(",") if t.strip())
@@ -761,7 +761,7 @@ def _start_redis(group: Group, work: Path):
             return url, client
         except redis.ConnectionError:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server not up; log:\n{group.log_tail()}")
+                raise RuntimeError(f"redis-server not up; log:\n{group.log_tail()}") from None
             time.sleep(0.05)
 
 

@@ -84,7 +84,7 @@ class RecoverySettings:
         return self.runs - self.orphans - self.queued - self.failed
 
     @classmethod
-    def from_env(cls) -> "RecoverySettings":
+    def from_env(cls) -> RecoverySettings:
         env = os.environ.get
         targets = tuple(t.strip() for t in env("BENCH_RECOVERY_TARGETS", ",".join(ALL_TARGETS))
                         .split(",") if t.strip())
@@ -169,8 +169,7 @@ def _templates(path: Path) -> dict[str, str]:
     dead node, run claimed by a worker of the dead node; its lease is set later."""
     from runstile import dispatch
     from runstile.config import Settings
-    from runstile.ledger import (admission, broker_queue, db, execution, keys, migrations,
-                                 nodes)
+    from runstile.ledger import admission, broker_queue, db, execution, keys, migrations, nodes
     from runstile.ledger import recovery as ledger_recovery
     from runstile.ledger.execution import Owner
     from runstile.ledger.keys import Principal
@@ -430,10 +429,10 @@ def query_plans(ledger: Path, node_id: str, generation: int) -> list[dict]:
     how often it ran, the seconds spent in it (statement and its triggers; COMMIT
     includes the fsync and any automatic WAL checkpoint) and its EXPLAIN QUERY PLAN with
     the parameters it ran with."""
+    from runstile import tasks as registry
     from runstile.config import Settings
     from runstile.ledger import db
     from runstile.recovery import reconcile
-    from runstile import tasks as registry
 
     registry.load(("bench.bench_tasks",))
     seen: dict[str, dict] = {}

@@ -39,7 +39,7 @@ import signal
 import sqlite3
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -167,7 +167,7 @@ def admission_section() -> bool:
     if invalid:
         verdict += " (but INVALID: " + "; ".join(invalid) + ")"
     valid = not invalid
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"admission-{stamp}.json"
     report = {
@@ -383,7 +383,7 @@ def execution_section() -> bool:
            "detail": f"{rs_p50:.1f} ms" if rs_p50 is not None else "not measured",
            "verdict": "not measured" if rs_p50 is None
            else ("met" if rs_p50 <= START_AIM_MS else "missed (not a floor)")}
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"execution-{stamp}.json"
     report = {
@@ -568,7 +568,7 @@ def recovery_section() -> bool:
         passed = r is not None and r >= RECOVERY_FLOOR
         verdict = "PASS" if passed else "FAIL"
         detail = f"{rs_rate:.0f} / {best:.0f} ({best_name}) = {r:.2f}"
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"recovery-{stamp}.json"
     report = {

@@ -23,7 +23,7 @@ import os
 import platform
 import shlex
 import sqlite3
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -349,7 +349,7 @@ def write_chart(summary: dict, path: Path, title: str) -> str | None:
          [r for r in rows if r["unit"] == "items/s"], "rate", True),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
-    for ax, (name, prows, kind, log) in zip(axes.flat, panels):
+    for ax, (name, prows, kind, log) in zip(axes.flat, panels, strict=False):
         ax.set_title(name, fontsize=10)
         if not prows:
             ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center")
@@ -364,7 +364,7 @@ def write_chart(summary: dict, path: Path, title: str) -> str | None:
             ax.barh([y + 0.2 for y in ys], p50, height=0.4, color=colors, label="p50")
             ax.barh([y - 0.2 for y in ys], p95, height=0.4, color=colors, alpha=0.45,
                     label="p95")
-            for y, a, b in zip(ys, p50, p95):
+            for y, a, b in zip(ys, p50, p95, strict=True):
                 ax.text(a, y + 0.2, f" {a:.1f}", va="center", fontsize=8)
                 ax.text(b, y - 0.2, f" {b:.1f}", va="center", fontsize=8)
             ax.legend(fontsize=8, loc="lower right")
@@ -372,7 +372,7 @@ def write_chart(summary: dict, path: Path, title: str) -> str | None:
         else:
             vals = [r["rate"] or 0 for r in prows][::-1]
             ax.barh(list(ys), vals, color=colors)
-            for y, v, r in zip(ys, vals, prows[::-1]):
+            for y, v, r in zip(ys, vals, prows[::-1], strict=True):
                 extra = "" if r["runstile_over_this"] is None else \
                     f"   (runstile ÷ this {r['runstile_over_this']:.2f}x)"
                 ax.text(v, y, f" {v:,.0f}{extra}", va="center", fontsize=8)
@@ -520,5 +520,5 @@ def docs_wanted(only: str) -> bool:
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 

@@ -14,9 +14,10 @@ import ipaddress
 import os
 import socket
 import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
@@ -85,7 +86,7 @@ def _broker_url(raw: str) -> str:
         schemes = ("amqp", "amqps") if amqp else ("redis", "rediss")
         if parts.scheme not in schemes or not parts.hostname:
             raise ValueError("must be 'sqlite', a redis:// URL or an amqp:// URL with a host")
-        parts.port  # raises ValueError for a port that is not a number in 0-65535
+        _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
     return value
 
 
@@ -241,7 +242,7 @@ class Settings:
         return self.data_dir / "ledger.db"
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Build settings from ``RUNSTILE_*`` variables, then explicit overrides (flags).
 
         Raises :class:`ConfigError` naming the variable when a value is invalid.
@@ -272,7 +273,7 @@ class Settings:
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is outside 1-65535")
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
 

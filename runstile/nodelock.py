@@ -21,7 +21,7 @@ class NodeLock:
         self.node_id = node_id
         self._fd: int | None = None
 
-    def acquire(self) -> "NodeLock":
+    def acquire(self) -> NodeLock:
         private_dir(self.path.parent)
         fd = open_lock(self.path)  # 0600: nobody else may open it, let alone flock it
         try:

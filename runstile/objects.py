@@ -17,7 +17,7 @@ def rfc3339(ts: float | None) -> str | None:
     if ts is None:
         return None
     # isoformat in C (~3x faster than strftime); milliseconds truncated, as before.
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat(
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat(
         timespec="milliseconds")[:-6] + "Z"   # "+00:00" -> "Z"
 
 

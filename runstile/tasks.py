@@ -12,9 +12,9 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from .errors import ConfigError
 

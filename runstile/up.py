@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import click
 
 from . import filemodes
+from . import tasks as registry
 from .config import Settings
 from .ledger import db, keys, maintenance, migrations, nodes
 from .nodelock import NodeLock
 from .recovery import reconcile
-from . import tasks as registry
 from .signals import StopSignals
 
 #: Seconds children get after the drain timeout before they are killed
@@ -138,7 +138,7 @@ class Supervisor:
             self._start(self.plan_web())
             try:
                 reconcile.boot(self.settings, generation)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported, then the node stops
                 # No worker may start without this boot's recovery; stop what runs.
                 click.echo(f"runstile: boot recovery failed: {exc}", err=True)
                 self._stop()
@@ -167,7 +167,8 @@ class Supervisor:
                 return
             try:
                 reconcile.run_pass(self.settings, generation=generation, trigger="scheduled")
-            except Exception as exc:  # the next pass tries again; never take the node down
+            except Exception as exc:  # noqa: BLE001 - reported; the next pass tries again
+                # A failed pass must never take the node down.
                 click.echo(f"runstile: scheduled recovery failed: {exc}", err=True)
 
     def _watch(self) -> int:
@@ -198,5 +199,5 @@ class Supervisor:
         copying files by hand should not be one step from losing acknowledged runs)."""
         try:
             maintenance.fold_wal(self.settings.ledger_path)
-        except Exception as exc:  # best effort: the WAL stays valid either way
+        except Exception as exc:  # noqa: BLE001 - reported; the WAL stays valid either way
             click.echo(f"runstile: could not fold the WAL into the ledger: {exc}", err=True)

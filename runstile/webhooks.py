@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from .netguard import PinnedConnection, callback_target, checked_addresses
@@ -168,8 +168,8 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     if when is None:
         return None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    now_dt = datetime.fromtimestamp(time.time() if now is None else now, tz=timezone.utc)
+        when = when.replace(tzinfo=UTC)
+    now_dt = datetime.fromtimestamp(time.time() if now is None else now, tz=UTC)
     return max(0.0, (when - now_dt).total_seconds())
 
 

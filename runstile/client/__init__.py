@@ -32,7 +32,8 @@ import datetime as dt
 import json
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import sse
 from .sse import TERMINAL_EVENTS, TERMINAL_STATUSES
@@ -53,7 +54,7 @@ class Client(HttpApi):
         """Close the pooled connections (the client stays usable; it reconnects)."""
         self._transport.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

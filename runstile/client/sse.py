@@ -15,7 +15,7 @@ import json
 import random
 import re
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from .transport import Answer, HttpApi, TransportError, quote, retryable
 

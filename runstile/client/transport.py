@@ -19,7 +19,8 @@ import re
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..errors import ApiError
 
@@ -244,7 +245,7 @@ class HttpApi:
         elif raw:
             try:
                 when = dt.datetime.strptime(raw, "%a, %d %b %Y %H:%M:%S GMT")
-                seconds = max(0.0, when.replace(tzinfo=dt.timezone.utc).timestamp() - time.time())
+                seconds = max(0.0, when.replace(tzinfo=dt.UTC).timestamp() - time.time())
             except ValueError:
                 seconds = None
         if seconds is None:

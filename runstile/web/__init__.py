@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from flask import Flask
 
+from .. import tasks as registry
 from ..config import Settings
 from ..ledger.db import ConnectionPool, connect
 from ..ledger.group_commit import GroupCommitter
-from .. import tasks as registry
 from .writer import WriterClient, max_frame
 
 

@@ -12,13 +12,21 @@ import json
 import re
 from typing import Any
 
-from ..errors import (InvalidCallbackUrl, InvalidIdempotencyKey, InvalidJson, InvalidRequest,
-                      InvalidRunId, PayloadTooLarge, RunstileError, UnknownTask,
-                      UnsupportedMediaType)
+from ..errors import (
+    InvalidCallbackUrl,
+    InvalidIdempotencyKey,
+    InvalidJson,
+    InvalidRequest,
+    InvalidRunId,
+    PayloadTooLarge,
+    RunstileError,
+    UnknownTask,
+    UnsupportedMediaType,
+)
 from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
 from ..jsondepth import MAX_DEPTH, deep_field, text_too_deep
-from ..ledger.keys import Principal
 from ..ledger.admission import AdmissionRequest
+from ..ledger.keys import Principal
 from ..netguard import callback_refusal
 
 RUN_ID_PATTERN = "run_[0-9a-f]{32}"

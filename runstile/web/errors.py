@@ -7,9 +7,18 @@ import logging
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
-from ..errors import (CapacityExceeded, LedgerUnavailable, ListQueryTimeout, MethodNotAllowed,
-                      PayloadTooLarge, RouteNotFound, RunstileError, StreamsExhausted,
-                      StreamsPerKeyExhausted, Unauthorized)
+from ..errors import (
+    CapacityExceeded,
+    LedgerUnavailable,
+    ListQueryTimeout,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RouteNotFound,
+    RunstileError,
+    StreamsExhausted,
+    StreamsPerKeyExhausted,
+    Unauthorized,
+)
 from .state import state
 
 log = logging.getLogger("runstile.web")

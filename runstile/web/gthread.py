@@ -32,9 +32,15 @@ from gunicorn.http import errors as http_errors
 from gunicorn.http.unreader import Unreader
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
-from ..errors import (ExpectationFailed, MalformedRequest, RequestHeadersTooLarge,
-                      RequestLineTooLong, RequestTimeout, RunstileError,
-                      UnsupportedTransferCoding)
+from ..errors import (
+    ExpectationFailed,
+    MalformedRequest,
+    RequestHeadersTooLarge,
+    RequestLineTooLong,
+    RequestTimeout,
+    RunstileError,
+    UnsupportedTransferCoding,
+)
 from .request_reader import Refusal, RequestReader, Verdict
 from .worker_signals import FlagOnlySignals
 
@@ -222,6 +228,8 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
         try:
             keep = bool(fs.result()) if not fs.cancelled() else False
         except Exception:
+            # gunicorn's handle() answers every error itself; one escaping it is a bug.
+            self.log.exception("a request thread failed; closing its connection")
             keep = False
         if keep:
             pending = conn.parser.unreader.take_buffered()

@@ -4,9 +4,14 @@ aggregates every process's samples into each /metrics answer."""
 
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
-                               generate_latest)
-from prometheus_client import multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 ADMISSIONS = Counter("runstile_admissions_total",
                      "POST /v1/runs answers by outcome (created, replayed or error code)",

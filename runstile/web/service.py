@@ -5,12 +5,12 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from .. import __version__
-from ..errors import LedgerUnavailable, RunstileError
+from ..errors import LedgerUnavailable, RouteNotFound, RunstileError
 from ..fingerprint import FINGERPRINT_VERSION
-from ..ledger import migrations, status as ledger_status
-from ..ledger.states import TERMINAL, RunStatus
+from ..ledger import migrations
 from ..ledger import recovery as ledger_recovery
-from ..errors import RouteNotFound
+from ..ledger import status as ledger_status
+from ..ledger.states import TERMINAL, RunStatus
 from ..objects import rfc3339
 from . import metrics, openapi
 from .admission import RUN_ID_PATTERN

@@ -40,7 +40,7 @@ class Slot:
     first one gives the slot back and the second finds it gone.
     """
 
-    def __init__(self, slots: "StreamSlots", key_id: str) -> None:
+    def __init__(self, slots: StreamSlots, key_id: str) -> None:
         self.slots, self.key_id, self.held = slots, key_id, True
 
     def give_back(self) -> None:

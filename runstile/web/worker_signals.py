@@ -20,7 +20,6 @@ import selectors
 import sys
 
 
-
 class FlagOnlySignals:
     """Mixin for a gthread worker class (put it first among the bases): web/gthread.py's
     ``BufferingThreadWorker`` is the one ``serve`` uses."""

@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import dramatiq
 

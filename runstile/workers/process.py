@@ -14,11 +14,11 @@ import time
 
 import dramatiq
 
+from .. import tasks as registry
 from ..config import Settings
 from ..errors import RunstileError
 from ..ledger import recovery
 from ..ledger.db import ConnectionPool
-from .. import tasks as registry
 from ..signals import StopSignals
 from . import actors, delivery
 from .broker import make_broker
