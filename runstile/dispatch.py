@@ -1,16 +1,18 @@
-"""Handing runs to workers: the Dramatiq message for a run, by actor name (DESIGN §2).
+"""Handing runs to workers: the Dramatiq message for a run, by actor name
+(docs/architecture.md, "Packages").
 
 The web tier and recovery publish through here and never import ``workers.actors``
 (decorating an actor binds it to a broker).  On the embedded broker the message row is
 written inside the caller's transaction (the admission's own), so a committed run
 always has its message and a rolled-back one never does.
 
-With Redis or RabbitMQ (SPEC §5 "Brokers") a message cannot join an SQLite transaction.
-The transaction writes an unsent dispatch record instead; after the commit the caller
-publishes it here and marks it sent (one guarded UPDATE).  A publish that fails never
-fails the caller: the record stays unsent and recovery publishes it later (§6.2 step 4),
-as it re-publishes runs left queued long after their dispatch (a broker restarted empty
-loses messages).  Duplicates are harmless: the claim lets one execution through.
+With Redis or RabbitMQ (docs/architecture.md, "Redis and RabbitMQ") a message cannot
+join an SQLite transaction.  The transaction writes an unsent dispatch record instead;
+after the commit the caller publishes it here and marks it sent (one guarded UPDATE).  A
+publish that fails never fails the caller: the record stays unsent and recovery
+publishes it later (docs/operations.md, "Recovery", step 4), as it re-publishes runs
+left queued long after their dispatch (a broker restarted empty loses messages).
+Duplicates are harmless: the claim lets one execution through.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import dramatiq
 
@@ -32,7 +35,8 @@ from .ledger.runs import Enqueue
 log = logging.getLogger("runstile.dispatch")
 
 #: The one queue runs travel on, the actor that executes them, and the actor that
-#: makes one delivery attempt of an obligation (SPEC §7; workers/delivery.py).
+#: makes one delivery attempt of an obligation (docs/architecture.md, "Deliveries";
+#: workers/delivery.py).
 QUEUE = "runstile"
 ACTOR = "runstile_execute"
 DELIVER_ACTOR = "runstile_deliver"
@@ -48,19 +52,23 @@ def delivery_message(obligation_id: str) -> dramatiq.Message:
                             kwargs={}, options={})
 
 
-def _embedded_enqueue(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
-    message = message_for(run["id"], dispatch_id)
-    broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode(),
-                                run_id=run["id"])
+class _EmbeddedEnqueue:
+    """The embedded broker's in-transaction enqueue (a ``ledger.runs.Enqueue``)."""
+
+    def __call__(self, conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
+        message = message_for(run["id"], dispatch_id)
+        broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode(),
+                                    run_id=run["id"])
+
+    @staticmethod
+    def message(run: dict, dispatch_id: int) -> broker_queue.NewMessage:
+        """A batch of admissions collects its messages and inserts them with one
+        statement."""
+        message = message_for(run["id"], dispatch_id)
+        return QUEUE, message.message_id, message.encode(), None, run["id"]
 
 
-def _embedded_message(run: dict, dispatch_id: int) -> broker_queue.NewMessage:
-    message = message_for(run["id"], dispatch_id)
-    return QUEUE, message.message_id, message.encode(), None, run["id"]
-
-
-#: A batch of admissions collects its messages and inserts them with one statement.
-_embedded_enqueue.message = _embedded_message
+_embedded_enqueue = _EmbeddedEnqueue()
 
 
 def in_transaction_enqueue(settings: Settings, *, delay_s: float = 0.0) -> Enqueue | None:
@@ -143,6 +151,7 @@ class Publisher:
                     self._broker = external_broker(self.settings.broker_url, middleware=[],
                                                    publishing=True)
                     self._pid = os.getpid()
+        assert self._broker is not None  # made just above, in this process
         return self._broker
 
     def send(self, run_id: str, dispatch_id: int, *, delay_s: float = 0.0) -> bool:
@@ -158,7 +167,8 @@ class Publisher:
         delay_ms = int(delay_s * 1000)
         try:
             self.broker.enqueue(message, delay=delay_ms or None)
-        except Exception as exc:  # any broker or network failure: recovery publishes it
+        except Exception as exc:  # noqa: BLE001 - reported; recovery publishes it later
+            # Any broker or network failure: the record stays unsent.
             self._paused_until = time.monotonic() + PUBLISH_PAUSE_S
             log.warning("%s: publishing failed (%s: %s); it stays unsent until recovery "
                         "publishes it", what or message.message_id, type(exc).__name__, exc)
@@ -202,6 +212,7 @@ def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
         if mark is not None:
             mark(work)
         else:
+            assert conn is not None  # without ``mark``, the caller passes its connection
             work(conn)
     except RunstileError as exc:
         log.warning("run %s: dispatch %s was published but could not be marked sent (%s); "
@@ -245,8 +256,9 @@ def send_deliveries(settings: Settings, conn: sqlite3.Connection, *, run_id: str
     run, or all; with ``stale_s`` also those whose message is that long overdue; with
     ``grace_s`` only those due at least that long), and
     mark them sent.  Called after the commits that create obligations and by
-    recovery's sweep (SPEC §6.2 step 2).  Never raises: anything not sent here is
-    found by the next sweep; a duplicate message loses the claim and does nothing."""
+    recovery's sweep (docs/operations.md, "Recovery", step 2).  Never raises: anything
+    not sent here is found by the next sweep; a duplicate message loses the claim and
+    does nothing."""
     try:
         if settings.broker_url == "sqlite":
             # Embedded: the messages and their marks commit together.
@@ -260,6 +272,7 @@ def send_deliveries(settings: Settings, conn: sqlite3.Connection, *, run_id: str
                 obligations.mark_sent(conn, ids)
             return len(ids)
         publisher = publisher_for(settings)
+        assert publisher is not None  # not the embedded broker
         sent = []
         for obligation_id in obligations.unsent(conn, run_id=run_id, stale_s=stale_s,
                                                 grace_s=grace_s, limit=limit):
@@ -287,8 +300,9 @@ def send_delivery_later(settings: Settings, conn: sqlite3.Connection, obligation
                 broker_queue.insert_message(conn, delayed.queue_name, delayed.message_id,
                                             delayed.encode(), eta=eta_ms / 1000)
             return True
-        return publisher_for(settings).enqueue(message, delay_s=delay_s,
-                                               what=f"delivery {obligation_id}")
+        publisher = publisher_for(settings)
+        assert publisher is not None  # not the embedded broker
+        return publisher.enqueue(message, delay_s=delay_s, what=f"delivery {obligation_id}")
     except RunstileError as exc:
         log.warning("delivery %s: could not send its next attempt's message (%s); "
                     "recovery sends it", obligation_id, exc.message)

@@ -287,6 +287,10 @@ class LeaseLost(RunstileError):
 class ApiError(RunstileError):
     """Raised when a runstile.Client call gets an error answer from the API, or none at all."""
 
+    #: None when the server could not be reached: wider than the int every error the
+    #: server raises carries, which is what RunstileError declares.
+    status: int | None  # type: ignore[assignment]
+
     def __init__(self, status: int | None, code: str, message: str,
                  details: dict[str, Any] | None = None) -> None:
         # ``status`` is the HTTP status (None when the server could not be reached) and

@@ -15,8 +15,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import dramatiq  # at run time imported where used: the client loads this module
 
 ON_CRASH = ("interrupt", "resume", "pause")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,127}")
@@ -140,8 +144,8 @@ def _dramatiq_actors_refused() -> Iterator[None]:
         dramatiq.broker.global_broker = previous
 
 
-def _options_of(middleware: type) -> set[str]:
-    options = middleware.actor_options
+def _options_of(middleware: type[dramatiq.Middleware]) -> set[str]:
+    options: Any = middleware.actor_options  # on the class: the property object itself
     if isinstance(options, property):  # declared per instance; read it off the class
         options = options.fget(None) if options.fget else set()
     return set(options)

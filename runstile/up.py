@@ -40,6 +40,11 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
 
+    def started(self) -> subprocess.Popen:
+        """The child's process: ``Supervisor._start`` lists a child once it runs."""
+        assert self.proc is not None
+        return self.proc
+
 
 @dataclass
 class Supervisor:
@@ -172,24 +177,27 @@ class Supervisor:
                 click.echo(f"runstile: scheduled recovery failed: {exc}", err=True)
 
     def _watch(self) -> int:
+        signals = self.signals
+        assert signals is not None  # run() sets it before it starts any child
         failed = False
         while not self.stopping:
-            if self.signals.wait(WATCH_S):
+            if signals.wait(WATCH_S):
                 self._stop()
                 break
             for child in self.children:
-                code = child.proc.poll()
+                code = child.started().poll()
                 if code is not None:
                     click.echo(f"runstile: {child.name} exited with {code}; stopping", err=True)
                     failed = True
                     self._stop()
                     break
         deadline = time.monotonic() + self.settings.drain_timeout_s + KILL_GRACE_S
-        while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
+        while time.monotonic() < deadline and any(c.started().poll() is None
+                                                  for c in self.children):
             time.sleep(0.05)
         self._signal_children(signal.SIGKILL)
         for child in self.children:
-            child.proc.wait()
+            child.started().wait()
         self._fold_wal()
         return 1 if failed else 0
 

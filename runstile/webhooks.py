@@ -353,7 +353,7 @@ def _classify(answer: _Answer) -> Outcome:
     excerpt = _excerpt(answer.body)
     if excerpt:
         reason += f": {excerpt}"
-    kind = "gone" if status == 410 else "retry"
+    kind: Literal["gone", "retry"] = "gone" if status == 410 else "retry"
     return Outcome(kind=kind, status=status, retry_after_s=retry_after_s, error=reason)
 
 

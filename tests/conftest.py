@@ -1,7 +1,7 @@
 """Shared fixtures: real SQLite files, real servers on loopback, real processes.
 
 Broker fixtures skip locally when the machine's Redis/RabbitMQ are absent and fail
-instead when CI is set (DESIGN §3, after Dramatiq's own conftest).
+instead when CI is set (after Dramatiq's own conftest).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import requests
@@ -164,7 +164,7 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, **extra_env: str) -> "Server":
+    def start(self, **extra_env: str) -> Server:
         env = {**os.environ, **self.env, **extra_env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"serve-{self.port}.log"
@@ -240,7 +240,7 @@ def writer_listening(pid: int) -> bool:
     return True
 
 
-def wait_for_writer(server: "Server", previous: int | None = None) -> int:
+def wait_for_writer(server: Server, previous: int | None = None) -> int:
     """The pid of ``server``'s admission writer once it listens (a new one when
     ``previous`` is given)."""
     def listening():
@@ -378,7 +378,7 @@ class System(Server):
     threads: int = 4
     tasks: tuple[str, ...] = ("tests.workers.exec_tasks", "runstile.demo")
 
-    def start(self, **extra_env: str) -> "System":
+    def start(self, **extra_env: str) -> System:
         env = {**os.environ, **self.env, **extra_env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"up-{self.port}.log"
@@ -406,7 +406,7 @@ class Workers:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
-    def start(self) -> "Workers":
+    def start(self) -> Workers:
         env = {**os.environ, **self.env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"worker-{time.monotonic_ns()}.log"
@@ -467,8 +467,8 @@ def make_system(ledger):
         system.kill()
 
 
-def wait_for_status(api: "Api", run_id: str, statuses=("completed", "failed", "cancelled",
-                                                       "interrupted"), timeout_s: float = 30):
+def wait_for_status(api: Api, run_id: str, statuses=("completed", "failed", "cancelled",
+                                                     "interrupted"), timeout_s: float = 30):
     def done():
         run = api.get(f"/v1/runs/{run_id}").json()
         return run if run["status"] in statuses else None

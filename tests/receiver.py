@@ -1,6 +1,6 @@
 """A webhook receiver for tests: an http.server on 127.0.0.1, in a thread, that records
-every request it gets (SPEC §7 deliveries are checked against what arrived, not against
-what runstile says it sent)."""
+every request it gets (deliveries, docs/api.md, "Deliveries (webhooks)", are checked against what
+arrived, not against what runstile says it sent)."""
 
 from __future__ import annotations
 

@@ -77,10 +77,13 @@ def _settle_delivery(settings, delivery_id: str, action: str, as_json: bool) -> 
         _fail("delivery_in_flight: an attempt is under way; try again in a few seconds")
     if changed and action == "retry":
         dispatch.send_deliveries(settings, conn, run_id=row["run_id"])
+    current = obligations.get(conn, delivery_id)
+    if current is None:  # not expected: retention keeps a run that owes a delivery
+        _fail(f"delivery_not_found: no delivery {delivery_id}")
     if as_json:
-        _emit_json(delivery_object(obligations.get(conn, delivery_id)))
+        _emit_json(delivery_object(current))
     else:
-        click.echo(_delivery_row(obligations.get(conn, delivery_id)))
+        click.echo(_delivery_row(current))
 
 
 @deliveries.command("retry")

@@ -1,1 +1,2 @@
-"""The ledger: the single source of truth, and the only place with SQL (DESIGN §1)."""
+"""The ledger: the single source of truth, and the only place with SQL (docs/architecture.md,
+"Packages")."""

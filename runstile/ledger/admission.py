@@ -12,13 +12,23 @@ Reading runs is ``ledger/runs.py``.
 
 from __future__ import annotations
 
+import enum
 import secrets
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Final, Protocol
 
-from ..errors import (AdmissionRace, CapacityExceeded, IdempotencyKeyConflict,
-                      IdempotencyKeyExpired, LedgerUnavailable, RunIdConflict, RunstileError)
+from ..errors import (
+    AdmissionRace,
+    CapacityExceeded,
+    IdempotencyKeyConflict,
+    IdempotencyKeyExpired,
+    LedgerUnavailable,
+    RunIdConflict,
+    RunstileError,
+)
 from . import admission_rows, db, events
 from .db import NOW
 from .keys import Principal
@@ -51,11 +61,22 @@ class AdmissionRequest:
 
 @dataclass(frozen=True)
 class Admitted:
-    run: dict
+    run: dict[str, Any]
     replayed: bool
     #: The dispatch record a new run was created with (None for a replay): brokers
     #: published to after commit publish exactly this record.
     dispatch_id: int | None = None
+
+
+#: What :func:`reserve_many` answers per reservation: (Admitted, None) or (None, refusal).
+Outcome = tuple[Admitted | None, RunstileError | None]
+
+
+class Committer(Protocol):
+    """What :func:`admit` hands a reservation to, to run in a shared transaction: the
+    group committer (``ledger/group_commit.py``) or the admission writer's client."""
+
+    def run(self, work: Reservation, /) -> Admitted: ...
 
 
 def new_run_id() -> str:
@@ -74,7 +95,7 @@ def new_run_id() -> str:
 
 def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
           refusal: RunstileError | None, max_active_runs: int, enqueue: Enqueue | None = None,
-          committer=None) -> Admitted:
+          committer: Committer | None = None) -> Admitted:
     """Reserve and create (or replay) a run in one BEGIN IMMEDIATE transaction.
 
     ``refusal`` is the error to raise *only* if a new run would be created (unknown
@@ -89,6 +110,7 @@ def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
         try:
             if committer is not None:
                 return committer.run(reserve)
+            assert conn is not None, "admit needs a connection or a committer"
             with db.transaction(conn):
                 return reserve(conn)
         except (sqlite3.IntegrityError, AdmissionRace):
@@ -102,7 +124,8 @@ def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
 
 # ------------------------------------------------------------------ one reservation
 
-def _reserve(conn, req: AdmissionRequest, refusal, max_active_runs, enqueue) -> Admitted:
+def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileError | None,
+             max_active_runs: int, enqueue: Enqueue | None) -> Admitted:
     """The reservation of docs/api.md ("Reservation").  Every refusal is raised before the
     first write, so a refused admission leaves the transaction it shares (group commit)
     untouched."""
@@ -134,25 +157,34 @@ def _reserve(conn, req: AdmissionRequest, refusal, max_active_runs, enqueue) -> 
 
 
 #: A key's record as the reservation reads it: (run id, fingerprint, fingerprint version,
-#: tombstone).  The run id and fingerprint are None for a tombstone.
-_KeyRecord = tuple
+#: tombstone).  The run id and fingerprint are None for a tombstone.  The row itself
+#: (:func:`_key_record`) or a tuple of its values (:func:`_key_records`).
+_KeyRecord = Sequence[Any]
 
 
-def _key_record(conn, req: AdmissionRequest) -> _KeyRecord | None:
+def _key_record(conn: sqlite3.Connection, req: AdmissionRequest) -> _KeyRecord | None:
     # One read answers both "is the key bound?" and "is it a tombstone?".
     scope = (req.principal.profile_id, req.principal.key_id)
-    return conn.execute(
+    record: sqlite3.Row | None = conn.execute(
         "SELECT run_id, fingerprint, fingerprint_version, 0 AS tombstone "
         "FROM idempotency_keys WHERE profile_id = ? AND key_id = ? AND idempotency_key = ? "
         "UNION ALL SELECT NULL, NULL, NULL, 1 FROM key_tombstones "
         "WHERE profile_id = ? AND key_id = ? AND idempotency_key = ?",
         (*scope, req.key, *scope, req.key)).fetchone()
+    return record
 
 
-_UNREAD = object()
+class _Unread(enum.Enum):
+    """A key record not read yet (None is a key read and found to have none)."""
+
+    UNREAD = enum.auto()
 
 
-def _decide(conn, req: AdmissionRequest, refusal, record=_UNREAD) -> Admitted | None:
+_UNREAD: Final = _Unread.UNREAD
+
+
+def _decide(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileError | None,
+            record: _KeyRecord | None | _Unread = _UNREAD) -> Admitted | None:
     """The reads of the reservation (the table of docs/api.md, "Reservation"): a replay, a
     refusal (raised), or None when a new run is to be created.  ``record`` is the key's
     record when the caller already read it (:func:`reserve_many` reads a batch's keys at
@@ -193,7 +225,7 @@ def _decide(conn, req: AdmissionRequest, refusal, record=_UNREAD) -> Admitted | 
     return None
 
 
-def _bind_key(conn, req: AdmissionRequest, run_id: str) -> None:
+def _bind_key(conn: sqlite3.Connection, req: AdmissionRequest, run_id: str) -> None:
     conn.execute(
         "INSERT INTO idempotency_keys (profile_id, key_id, idempotency_key, run_id, "
         "fingerprint, fingerprint_version, derived, created_at) "
@@ -202,7 +234,7 @@ def _bind_key(conn, req: AdmissionRequest, run_id: str) -> None:
          req.fingerprint_version, int(req.key_is_derived)))
 
 
-def _get(conn, run_id: str) -> dict:
+def _get(conn: sqlite3.Connection, run_id: str) -> dict[str, Any]:
     return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
 
 
@@ -226,13 +258,15 @@ class Reservation:
         return _reserve(conn, self.req, self.refusal, self.max_active_runs, self.enqueue)
 
     @staticmethod
-    def run_many(conn: sqlite3.Connection, reservations: list) -> list:
+    def run_many(conn: sqlite3.Connection,
+                 reservations: list[Reservation]) -> list[Outcome | None]:
         return reserve_many(conn, reservations)
 
 
 # ------------------------------------------------------------------ a batch
 
-def reserve_many(conn: sqlite3.Connection, reservations: list[Reservation]) -> list:
+def reserve_many(conn: sqlite3.Connection,
+                 reservations: list[Reservation]) -> list[Outcome | None]:
     """The reservations of one group commit, in order, with their writes set-based.
 
     Returns ``(Admitted, None)`` or ``(None, refusal)`` per reservation; raises (aborting
@@ -246,6 +280,7 @@ def reserve_many(conn: sqlite3.Connection, reservations: list[Reservation]) -> l
     for i, res in enumerate(reservations):
         batch.decide(i, res)
     if batch.fresh:
+        assert batch.now is not None  # read by the capacity check every new run passed
         written = admission_rows.write_new_runs(conn, batch.fresh, batch.now)
         for i, run, dispatch_id in written:
             batch.outcomes[i] = (Admitted(run, replayed=False, dispatch_id=dispatch_id), None)
@@ -277,13 +312,14 @@ class _Batch:
 
     def __init__(self, conn: sqlite3.Connection, reservations: list[Reservation]) -> None:
         self.conn = conn
-        self.outcomes: list = [None] * len(reservations)
+        #: Every reservation's outcome, each set by the time reserve_many returns.
+        self.outcomes: list[Outcome | None] = [None] * len(reservations)
         self.records = _key_records(conn, [r.req for r in reservations
                                            if r.req.key is not None and r.req.run_id is None])
-        self.claimed: set = set()  # ("key", scope..., key) and ("run", id) of new runs
-        self.bound: set = set()    # keys a replay bound to a client run id in this batch
+        self.claimed: set[tuple[str, ...]] = set()  # new runs' ("key", scope..., key), ("run", id)
+        self.bound: set[tuple[str, ...]] = set()  # keys a replay in this batch bound to a run id
         self.capacity: dict[str, int] = {}  # profile -> new runs it may still take
-        self.now = None            # the ledger clock, read with capacity; new rows get it
+        self.now: float | None = None  # the ledger clock, read with capacity; new rows get it
         self.fresh: list[tuple[int, Reservation, str]] = []  # (index, res, new run id)
         self.later: list[int] = []
 
@@ -313,7 +349,8 @@ class _Batch:
         self.claimed.update(marks)
         self.fresh.append((i, res, req.run_id or new_run_id()))
 
-    def _replay(self, req: AdmissionRequest, refusal, scope: tuple) -> Admitted | None:
+    def _replay(self, req: AdmissionRequest, refusal: RunstileError | None,
+                scope: tuple[str, str]) -> Admitted | None:
         """_decide for one reservation.  The batch's key records were read before any of
         its reservations ran, and only for those without a client run id: one with a run
         id, or whose key a replay earlier in this batch bound (a replay by run id binds
@@ -337,13 +374,14 @@ class _Batch:
                                    f"unfinished runs (the limit)")
 
 
-def _key_records(conn, reqs: list[AdmissionRequest]) -> dict:
+def _key_records(conn: sqlite3.Connection,
+                 reqs: list[AdmissionRequest]) -> dict[tuple[str, str, str], _KeyRecord]:
     """{(profile, key id, key): record} for those of ``reqs``' keys that have a record:
     one indexed read per scope (an IN list on the primary key) instead of one per key."""
-    by_scope: dict[tuple[str, str], list[str]] = {}
+    by_scope: dict[tuple[str, str], list[str | None]] = {}  # (None never: reqs have keys)
     for req in reqs:
         by_scope.setdefault((req.principal.profile_id, req.principal.key_id), []).append(req.key)
-    records: dict = {}
+    records: dict[tuple[str, str, str], _KeyRecord] = {}
     for (profile_id, key_id), keys in by_scope.items():
         marks = ", ".join("?" * len(keys))
         for row in conn.execute(

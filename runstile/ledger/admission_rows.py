@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 from . import broker_queue
 
@@ -32,7 +33,7 @@ _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 
 def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
-                   now: float) -> Iterator[tuple[int, dict, int]]:
+                   now: float) -> Iterator[tuple[int, dict[str, Any], int]]:
     """Rows for the new runs of a batch, one INSERT per table; yields (index, the run as
     ``SELECT *`` would return it, its dispatch id).
 
@@ -48,7 +49,7 @@ def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
     _insert_keys(conn, fresh, now)
     first_dispatch = _insert_dispatches(conn, fresh, now)
     _insert_queued_events(conn, fresh, now)
-    messages: list = []
+    messages: list[broker_queue.NewMessage] = []
     for j, (i, res, run_id) in enumerate(fresh):
         # AUTOINCREMENT numbers the rows of one INSERT consecutively, in VALUES order.
         run = _run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now)
@@ -66,25 +67,26 @@ def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
 
 def _insert_runs(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
     """The batch's runs rows; returns the seq of the last one."""
-    args: list = []
+    args: list[object] = []
     for _, res, run_id in fresh:
         req = res.req
         args += (run_id, req.principal.profile_id, req.principal.key_id, req.task,
                  req.input_json, req.session_key, req.trigger_id, req.metadata_json,
                  req.callback_url, req.fingerprint, req.fingerprint_version, now, now)
-    return conn.execute(
+    # (After an INSERT, lastrowid is the last new row's id: never None.)
+    return cast(int, conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
         "metadata, callback_url, fingerprint, fingerprint_version, created_at, updated_at, "
         "status, attempt) VALUES "
         + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
-        args).lastrowid
+        args).lastrowid)
 
 
 def _insert_keys(conn: sqlite3.Connection, fresh: Fresh, now: float) -> None:
     """The idempotency records of the batch's new runs that have a key."""
     keyed = [(res.req, run_id) for _, res, run_id in fresh if res.req.key is not None]
     if keyed:
-        args: list = []
+        args: list[object] = []
         for req, run_id in keyed:
             args += (req.principal.profile_id, req.principal.key_id, req.key, run_id,
                      req.fingerprint, req.fingerprint_version, int(req.key_is_derived), now)
@@ -97,8 +99,9 @@ def _insert_dispatches(conn: sqlite3.Connection, fresh: Fresh, now: float) -> in
     """The batch's dispatch records; returns the id of the first.  Ids are given
     explicitly (one above the largest, as SQLite would), so that each run knows its own
     without reading it back."""
-    first_dispatch = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM dispatches").fetchone()[0]
-    args: list = []
+    first_dispatch: int = conn.execute(
+        "SELECT COALESCE(MAX(id), 0) + 1 FROM dispatches").fetchone()[0]
+    args: list[object] = []
     for j, (_, res, run_id) in enumerate(fresh):
         args += (first_dispatch + j, run_id, now, now if res.enqueue is not None else None)
     conn.execute("INSERT INTO dispatches (id, run_id, attempt, reason, created_at, sent_at) "
@@ -107,14 +110,14 @@ def _insert_dispatches(conn: sqlite3.Connection, fresh: Fresh, now: float) -> in
 
 
 def _insert_queued_events(conn: sqlite3.Connection, fresh: Fresh, now: float) -> None:
-    args: list = []
+    args: list[object] = []
     for _, _, run_id in fresh:
         args += (run_id, _QUEUED_EVENT, now)
     conn.execute("INSERT INTO events (run_id, seq, type, data, created_at) VALUES "
                  + ", ".join(["(?, 1, 'run.queued', ?, ?)"] * len(fresh)), args)
 
 
-def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict:
+def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[str, Any]:
     """The runs row a batch wrote, as ``SELECT *`` would return it."""
     run = dict.fromkeys(_RUN_COLUMNS)
     run.update(seq=seq, id=run_id, profile_id=req.principal.profile_id,

@@ -1,7 +1,9 @@
-"""Approvals (SPEC §3.4, §5): a body asks a person; the run parks; a decision re-queues it.
+"""Approvals: a body asks a person; the run parks; a decision re-queues it.
 
-The request is a journaled call like a step (kind 'approval', matched by position), so
-a re-run body finds the decision in its journal instead of asking again.  The run's
+The request (``ctx.request_approval``: docs/tasks.md, "RunContext") is a journaled call
+like a step (kind 'approval', matched by position), so a re-run body finds the decision in
+its journal instead of asking again.  A person decides through the route of
+docs/api.md, "POST /v1/runs/{run_id}/approval — decide a pending approval".  The run's
 ``approval`` column holds the latest request for the API.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import sqlite3
+from typing import Any
 
 from ..errors import ApprovalAlreadyResolved, ApprovalNotPending
 from . import db, events, profile_slots
@@ -21,7 +24,8 @@ DECISIONS = ("approve", "deny")
 
 
 def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
-            args_hash: str, details: object, enqueue: Enqueue | None = None) -> dict | None:
+            args_hash: str, details: object,
+            enqueue: Enqueue | None = None) -> dict[str, Any] | None:
     """running -> waiting_for_approval, fenced on the lease, in one transaction; the
     lease is released so the worker thread is free at once.  Returns the approval
     object, or None if this worker no longer owns the run.
@@ -50,11 +54,12 @@ def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: in
         events.append(conn, run_id, "approval.requested",
                       {"approval_id": approval_id, "details": details})
         profile_slots.dispatch_next(conn, run, enqueue)
-        return json.loads(row[0])
+        approval: dict[str, Any] = json.loads(row[0])
+        return approval
 
 
 def decide(conn: sqlite3.Connection, run_id: str, approval_id: str, decision: str,
-           enqueue: Enqueue | None) -> dict:
+           enqueue: Enqueue | None) -> dict[str, Any]:
     """Record a person's decision; returns the run row.
 
     Rules for a known approval id come first (same decision again: fine, any time;

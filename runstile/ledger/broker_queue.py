@@ -20,8 +20,9 @@ work open their own transaction (a savepoint when the caller already has one);
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import cast
 
 from . import db
 from .db import NOW
@@ -54,20 +55,21 @@ def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, b
     with db.ledger_errors():
         # lastrowid, not RETURNING: fetching a RETURNING row costs a second sqlite3_step,
         # and every step releases and re-takes the GIL while the write lock is held.
-        return conn.execute(
+        # (After an INSERT, lastrowid is the new row's id: never None.)
+        return cast(int, conn.execute(
             "INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
             f"enqueued_at, run_id) VALUES (?, ?, ?, ?, '{READY}', {NOW}, ?)",
-            (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).lastrowid
+            (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).lastrowid)
 
 
 #: One message for :func:`insert_messages`: (queue name, message id, body, eta, run id).
-NewMessage = tuple
+NewMessage = tuple[str, str, bytes, float | None, str | None]
 
 
 def insert_messages(conn: sqlite3.Connection, messages: Sequence[NewMessage]) -> None:
     """:func:`insert_message` for several messages with one statement (a batch of
     admissions).  Runs in the caller's transaction."""
-    args: list = []
+    args: list[object] = []
     for queue_name, message_id, body, eta, run_id in messages:
         args += (queue_name, message_id, sqlite3.Binary(body), eta, run_id)
     with db.ledger_errors():
@@ -100,7 +102,7 @@ def reap_dead_consumers(conn: sqlite3.Connection) -> int:
         return _reap(conn)
 
 
-def _upsert_consumers(conn, infos: Iterable[ConsumerInfo]) -> None:
+def _upsert_consumers(conn: sqlite3.Connection, infos: Iterable[ConsumerInfo]) -> None:
     conn.executemany(
         "INSERT INTO broker_consumers (id, queue_name, pid, host, timeout_s, started_at, "
         f"last_seen_at) VALUES (?, ?, ?, ?, ?, {NOW}, {NOW}) "
@@ -108,7 +110,7 @@ def _upsert_consumers(conn, infos: Iterable[ConsumerInfo]) -> None:
         [(i.consumer_id, i.queue_name, i.pid, i.host, i.timeout_s) for i in infos])
 
 
-def _reap(conn) -> int:
+def _reap(conn: sqlite3.Connection) -> int:
     # NOT IN also catches rows claimed by a consumer whose row is already gone.
     released = conn.execute(
         f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
@@ -184,9 +186,10 @@ def pending_count(conn: sqlite3.Connection, queue_names: Sequence[str]) -> int:
     """Rows not yet processed (ready or claimed) on these queues; dead letters excluded."""
     marks = ", ".join("?" for _ in queue_names)
     with db.ledger_errors():
-        return conn.execute(
+        count: int = conn.execute(
             f"SELECT COUNT(*) FROM broker_messages WHERE queue_name IN ({marks}) "
             f"AND state IN ('{READY}', '{CLAIMED}')", tuple(queue_names)).fetchone()[0]
+        return count
 
 
 def flush(conn: sqlite3.Connection, queue_names: Sequence[str]) -> int:
@@ -221,4 +224,5 @@ def data_version(conn: sqlite3.Connection) -> int:
     """SQLite's change counter for this connection: it moves whenever *another*
     connection commits.  Polling it is a shared-memory read, not a query of any table."""
     with db.ledger_errors():
-        return conn.execute("PRAGMA data_version").fetchone()[0]
+        version: int = conn.execute("PRAGMA data_version").fetchone()[0]
+        return version

@@ -1,4 +1,5 @@
-"""Connections and transactions: the one place that knows SQLite's dialect (SPEC §10).
+"""Connections and transactions: the one place that knows SQLite's dialect
+(docs/architecture.md, "Why BEGIN IMMEDIATE").
 
 Connections are opened with ``isolation_level=None`` so that Python never starts a
 deferred transaction behind our back; every write goes through :func:`transaction`,
@@ -17,8 +18,9 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from ..filemodes import open_lock, private_file
@@ -213,7 +215,8 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         with _savepoint(conn):
             yield conn
         return
-    with writer_gate(conn.writer_path).held(conn.busy_timeout_s):
+    ledger_conn = cast(LedgerConnection, conn)  # every connection comes from connect()
+    with writer_gate(ledger_conn.writer_path).held(ledger_conn.busy_timeout_s):
         with _immediate(conn):
             yield conn
 

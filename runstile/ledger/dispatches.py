@@ -1,4 +1,5 @@
-"""Dispatch records for brokers published to after commit (Redis, RabbitMQ; SPEC §5).
+"""Dispatch records for brokers published to after commit: Redis and RabbitMQ
+(docs/architecture.md, "Redis and RabbitMQ").
 
 A dispatch row is written in the transaction that makes a run claimable (admission,
 re-queue, a session's next run; ``runs.add_dispatch``).  With the embedded broker it is
@@ -6,13 +7,15 @@ born sent.  With Redis or RabbitMQ the message can only be published once that
 transaction has committed, so the row starts unsent; ``dispatch.py`` publishes it and
 then marks it with :func:`mark_sent`.  Whatever is lost between the two steps (a failed
 publish, a crash, a broker that restarted empty) is found again here by recovery
-(SPEC §6.2 step 4).  A duplicate message is harmless: the claim lets one execution in.
+(docs/operations.md, "Recovery", step 4).  A duplicate message is harmless: the claim lets
+one execution in.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import db
 from .db import NOW
@@ -30,7 +33,8 @@ def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
     pass wrote itself).  ``run_ids`` / ``session`` (profile, key id, session key) /
     ``profile`` narrow the search to what one transition just made claimable.
     """
-    clauses, args = ["d.sent_at IS NULL", "r.status = 'queued'"], []
+    clauses = ["d.sent_at IS NULL", "r.status = 'queued'"]
+    args: list[object] = []
     if created_since is None:
         clauses.append(f"d.created_at <= {NOW} - ?")
         args.append(older_than_s)
@@ -70,7 +74,8 @@ def mark_sent(conn: sqlite3.Connection, dispatch_id: int, *, live_in_s: float = 
     return row is not None
 
 
-def lost_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) -> list[dict]:
+def lost_queued(conn: sqlite3.Connection, *, older_than_s: float,
+                limit: int) -> list[dict[str, Any]]:
     """Queued runs that could be claimed now, but whose every dispatch went to the broker
     more than ``older_than_s`` ago: their message was probably lost (a broker restarted
     empty, a queue purged).  Redis and RabbitMQ cannot be looked into, so the record's

@@ -1,9 +1,11 @@
-"""Each run's durable event log (SPEC §3.3).  seq counts from 1 per run."""
+"""Each run's durable event log: docs/api.md, "GET /v1/runs/{run_id}/events — the event log".
+seq counts from 1 per run."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
+from typing import Any
 
 from ..jsondepth import loads_for_reading
 from . import db
@@ -22,7 +24,8 @@ def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = Non
         "RETURNING seq",
         (run_id, type_, json.dumps({} if data is None else data, separators=(",", ":")), run_id),
     ).fetchone()
-    return row[0]
+    seq: int = row[0]
+    return seq
 
 
 def append_first(conn: sqlite3.Connection, run_id: str, type_: str, data: object) -> int:
@@ -32,7 +35,8 @@ def append_first(conn: sqlite3.Connection, run_id: str, type_: str, data: object
     return 1
 
 
-def after(conn: sqlite3.Connection, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[dict]:
+def after(conn: sqlite3.Connection, run_id: str, after_seq: int = 0,
+          limit: int = 1000) -> list[dict[str, Any]]:
     """Events of a run with seq > after_seq, in order.  A single short read: no
     transaction is held open between polls (it would block WAL checkpoints)."""
     with db.ledger_errors():

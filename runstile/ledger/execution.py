@@ -1,4 +1,5 @@
-"""Execution transitions (SPEC §4, §5): claim, heartbeat, finish, pause, re-queue.
+"""Execution transitions (docs/architecture.md, "Run lifecycle" and "Worker processes"):
+claim, heartbeat, finish, pause, re-queue.
 
 Each is one guarded UPDATE that names the status (and, for an owner's writes, the
 whole owner and a live lease) it expects, reports whether it won, and appends its
@@ -8,7 +9,9 @@ event in the same transaction.  A loser changes nothing.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import db, events, profile_slots, sessions
 from .db import NOW
@@ -17,14 +20,15 @@ from .runs import Enqueue, add_dispatch
 
 @dataclass(frozen=True)
 class Owner:
-    """Who holds a run's lease: (node, generation, process, thread) — SPEC §1."""
+    """Who holds a run's lease: (node, generation, process, thread), as in
+    docs/tasks.md, "Time limits, leases and the heartbeat"."""
 
     node: str
     generation: int
     pid: int
     thread: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, str | int]:
         return {"node": self.node, "generation": self.generation, "pid": self.pid,
                 "thread": self.thread}
 
@@ -33,7 +37,7 @@ _OWNED = ("owner_node = ? AND owner_generation = ? AND owner_pid = ? AND owner_t
           f"AND lease_expires_at > {NOW}")
 
 
-def _owner_args(owner: Owner) -> tuple:
+def _owner_args(owner: Owner) -> tuple[str, int, int, int]:
     return owner.node, owner.generation, owner.pid, owner.thread
 
 
@@ -41,12 +45,12 @@ def _owner_args(owner: Owner) -> tuple:
 class Claim:
     """The outcome of a claim: ``run`` is set when this worker won and may start the body."""
 
-    run: dict | None
+    run: dict[str, Any] | None
     outcome: str  # claimed | not_queued | unknown_task | missing
 
 
 def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
-          task_known, enqueue: Enqueue | None = None,
+          task_known: Callable[[str], bool], enqueue: Enqueue | None = None,
           max_running_per_profile: int | None = None) -> Claim:
     """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
 
@@ -87,7 +91,8 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
         return Claim(run, "claimed")
 
 
-def _fail_unknown_task(conn: sqlite3.Connection, row: dict, enqueue: Enqueue | None) -> None:
+def _fail_unknown_task(conn: sqlite3.Connection, row: dict[str, Any],
+                      enqueue: Enqueue | None) -> None:
     """queued -> failed(unknown_task), in the claim's transaction: the task is not
     registered on this worker.  It never ran, so it frees its session, not a slot."""
     failed = conn.execute(
@@ -128,12 +133,14 @@ def heartbeat(conn: sqlite3.Connection, node: str, generation: int, pid: int,
 
 def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
            result_json: str | None = None, error_code: str | None = None,
-           error_message: str | None = None, enqueue: Enqueue | None = None) -> dict | None:
+           error_message: str | None = None,
+           enqueue: Enqueue | None = None) -> dict[str, Any] | None:
     """running -> completed | failed (or stopping -> cancelled), only for the current
     owner with a live lease.
 
     A stop that arrived while the body ran wins over its outcome: a ``stopping`` run
-    ends ``cancelled`` whatever the body returned (SPEC §3.4), keeping no result.
+    ends ``cancelled`` whatever the body returned, keeping no result (docs/api.md,
+    "POST /v1/runs/{run_id}/stop — stop a run").
     Returns the finished run, or None when the caller no longer owns the run (a stale
     owner can never record an outcome).
     """
@@ -150,7 +157,7 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
         ).fetchone()
         if run is None:
             return None
-        data: dict = {"attempt": run["attempt"]}
+        data: dict[str, Any] = {"attempt": run["attempt"]}
         if run["status"] == "cancelled":
             data["reason"] = "stopped"
         elif error_code is not None:
@@ -162,8 +169,9 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
 
 
 def stop(conn: sqlite3.Connection, run_id: str,
-         enqueue: Enqueue | None = None) -> tuple[dict, bool] | None:
-    """SPEC §3.4 stop, bound to this run: (run, settled_now).
+         enqueue: Enqueue | None = None) -> tuple[dict[str, Any], bool] | None:
+    """The stop of docs/api.md, "POST /v1/runs/{run_id}/stop — stop a run", bound to this
+    run: (run, settled_now).
 
     queued / paused / waiting_for_approval -> cancelled at once (settled: 200);
     running -> stopping (the body sees it at its next emit/checkpoint/step: 202);
@@ -202,7 +210,7 @@ def is_stopping(conn: sqlite3.Connection, run_id: str) -> bool:
 
 
 def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str,
-          enqueue: Enqueue | None = None) -> dict | None:
+          enqueue: Enqueue | None = None) -> dict[str, Any] | None:
     """running -> paused (a person must decide), only for the current owner."""
     with db.transaction(conn):
         run = conn.execute(
@@ -220,12 +228,13 @@ def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str,
 def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, ...],
             reason: str, event_type: str = "run.requeued", next_attempt: bool = True,
             enqueue: Enqueue | None = None, owner: Owner | None = None,
-            event_data: dict | None = None) -> dict | None:
+            event_data: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``from_statuses`` -> queued for another execution, with a dispatch record.
 
-    Used by task retries, /resume, recovery and drain (SPEC §4).  The owner and lease
-    are cleared, so the next claim starts afresh; the event is written before any new
-    start, which is what lets a history checker tell a re-run from a duplicate.
+    Used by task retries, /resume, recovery and drain
+    (docs/tasks.md, "What replays and what re-runs").  The owner and lease are cleared, so
+    the next claim starts afresh; the event is written before any new start, which is what
+    lets a history checker tell a re-run from a duplicate.
     """
     placeholders = ", ".join("?" for _ in from_statuses)
     guard, guard_args = ("", ()) if owner is None else (f" AND {_OWNED}", _owner_args(owner))
@@ -249,7 +258,7 @@ def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, 
         return run
 
 
-def owns(conn: sqlite3.Connection, run_id: str, owner: Owner) -> dict | None:
+def owns(conn: sqlite3.Connection, run_id: str, owner: Owner) -> dict[str, Any] | None:
     """The run's row if ``owner`` still holds a live lease on it (inside a transaction)."""
     row = conn.execute(f"SELECT * FROM runs WHERE id = ? AND status IN ('running', 'stopping') "
                        f"AND {_OWNED}", (run_id, *_owner_args(owner))).fetchone()

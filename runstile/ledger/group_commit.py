@@ -24,7 +24,8 @@ import os
 import queue
 import sqlite3
 import threading
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import LedgerUnavailable, RunstileError
 from . import db
@@ -69,14 +70,15 @@ class Batches:
         self._connect = connect
         self._conn: sqlite3.Connection | None = None
 
-    def settle(self, batch: list[Unit]) -> None:
+    def settle(self, batch: Sequence[Unit]) -> None:
         """Commit ``batch`` in one transaction; every unit ends with a result or an
         error.  Never raises: when the batch does not commit, nobody is acknowledged."""
         try:
             if self._conn is None:
                 self._conn = self._connect()
             _commit(self._conn, batch)
-        except BaseException as exc:  # the batch did not commit: nobody was acknowledged
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter of the batch
+            # The batch did not commit: nobody was acknowledged.
             failure = exc if isinstance(exc, LedgerUnavailable) else LedgerUnavailable(
                 f"the ledger could not commit: {exc}")
             for unit in batch:
@@ -137,7 +139,7 @@ class GroupCommitter:
                 unit.done.release()
 
 
-def _commit(conn: sqlite3.Connection, batch: list[Unit]) -> None:
+def _commit(conn: sqlite3.Connection, batch: Sequence[Unit]) -> None:
     """All units in one transaction.  A unit may *refuse* (a RunstileError raised
     before it writes anything, as ledger units promise) without disturbing the
     others; anything else aborts the batch, which is then retried unit by unit."""
@@ -146,7 +148,7 @@ def _commit(conn: sqlite3.Connection, batch: list[Unit]) -> None:
             for run_many, units in _by_kind(batch):
                 if run_many is not None:
                     outcomes = run_many(conn, [unit.work for unit in units])
-                    for unit, (result, error) in zip(units, outcomes):
+                    for unit, (result, error) in zip(units, outcomes, strict=False):
                         unit.result, unit.error = result, error
                     continue
                 for unit in units:
@@ -158,7 +160,7 @@ def _commit(conn: sqlite3.Connection, batch: list[Unit]) -> None:
                         unit.error = exc
     except LedgerUnavailable:
         raise
-    except Exception:
+    except Exception:  # noqa: BLE001 - retried unit by unit below; each waiter gets its error
         # Something broke mid-write (a uniqueness race, a bug): nothing committed.
         # Run each unit alone so that one bad unit cannot fail its neighbours.
         for unit in batch:
@@ -168,11 +170,11 @@ def _commit(conn: sqlite3.Connection, batch: list[Unit]) -> None:
                     unit.result = unit.work(conn)
             except LedgerUnavailable:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the unit's waiter raises it
                 unit.error = exc
 
 
-def _by_kind(batch: list[Unit]) -> list[tuple[Any, list[Unit]]]:
+def _by_kind(batch: Sequence[Unit]) -> list[tuple[Any, list[Unit]]]:
     """The batch's units with the same ``run_many`` together (in order of first
     appearance, each group in batch order); units without one each on their own."""
     groups: dict[Any, list[Unit]] = {}

@@ -1,4 +1,5 @@
-"""The journal of a run's body (SPEC §5): steps, emits and deliveries by call position.
+"""The journal of a run's body (docs/tasks.md, "What replays and what re-runs"): steps,
+emits and deliveries by call position.
 
 Every write is fenced: it happens in a transaction that first proves the caller still
 owns the run with a live lease (execution.owns).  A zombie worker that wakes after its
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import LeaseLost, RunStopping
 from . import db, events, obligations
@@ -36,7 +38,7 @@ def entries(conn: sqlite3.Connection, run_id: str) -> dict[int, Entry]:
     return {r["position"]: Entry(*tuple(r)) for r in rows}
 
 
-def _fence(conn, run_id: str, owner: Owner) -> dict:
+def _fence(conn: sqlite3.Connection, run_id: str, owner: Owner) -> dict[str, Any]:
     """Prove ownership (and no pending stop) inside the caller's transaction."""
     run = owns(conn, run_id, owner)
     if run is None:
@@ -47,7 +49,7 @@ def _fence(conn, run_id: str, owner: Owner) -> dict:
 
 
 def start_step(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
-               name: str, args_hash: str, idempotent: bool, restart: bool) -> dict:
+               name: str, args_hash: str, idempotent: bool, restart: bool) -> dict[str, Any]:
     """Journal "started" for a step, fenced on the lease; returns the run row.
 
     ``restart`` is set when a row for this position exists and the step must run again
@@ -98,8 +100,9 @@ def record_emit(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position
 
 def record_deliver(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: int,
                    url: str, payload_json: str, args_hash: str) -> str:
-    """A ``ctx.deliver`` obligation and its journal row in one fenced transaction (SPEC
-    §7); returns the delivery id.  A re-run body finds the row and does not add another."""
+    """A ``ctx.deliver`` obligation and its journal row in one fenced transaction
+    (docs/tasks.md, "Deliveries"); returns the delivery id.  A re-run body finds the row
+    and does not add another."""
     with db.transaction(conn):
         run = _fence(conn, run_id, owner)
         obligation_id = obligations.insert_deliver(conn, run, url=url, payload_json=payload_json)
@@ -112,7 +115,8 @@ def record_deliver(conn: sqlite3.Connection, run_id: str, owner: Owner, *, posit
 
 
 def uncertain_steps(conn: sqlite3.Connection, run_id: str) -> list[str]:
-    """Names of non-idempotent steps that started and never settled (SPEC §6.3)."""
+    """Names of non-idempotent steps that started and never settled: uncertain side
+    effects (docs/tasks.md, "When the worker is gone")."""
     with db.ledger_errors():
         rows = conn.execute("SELECT name FROM journal WHERE run_id = ? AND kind = 'step' AND "
                             "state = 'started' AND idempotent = 0 ORDER BY position",

@@ -14,6 +14,7 @@ import re
 import secrets
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
 from . import db
 from .db import NOW
@@ -92,10 +93,10 @@ def exists(conn: sqlite3.Connection, key_id: str) -> bool:
         return conn.execute("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)).fetchone() is not None
 
 
-def list_keys(conn: sqlite3.Connection, profile_id: str | None = None) -> list[dict]:
+def list_keys(conn: sqlite3.Connection, profile_id: str | None = None) -> list[dict[str, Any]]:
     sql = ("SELECT id, profile_id, label, role, created_at, rotated_at, revoked_at "
            "FROM api_keys")
-    args: tuple = ()
+    args: tuple[str, ...] = ()
     if profile_id is not None:
         sql, args = sql + " WHERE profile_id = ?", (profile_id,)
     with db.ledger_errors():

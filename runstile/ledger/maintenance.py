@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from ..filemodes import private_dir, private_file
 from . import db, migrations
 from .states import NON_TERMINAL, sql_list
 
 
-def check(conn: sqlite3.Connection) -> dict:
+def check(conn: sqlite3.Connection) -> dict[str, Any]:
     """Integrity and invariant report; ``ok`` is False if anything is wrong."""
     problems: list[str] = []
     with db.ledger_errors():
@@ -88,7 +89,7 @@ def backup(conn: sqlite3.Connection, target: Path) -> int:
         dest = sqlite3.connect(str(target))
         try:
             conn.backup(dest)
-            pages = dest.execute("PRAGMA page_count").fetchone()[0]
+            pages: int = dest.execute("PRAGMA page_count").fetchone()[0]
         finally:
             dest.close()
     return pages

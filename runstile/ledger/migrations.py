@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -17,14 +18,14 @@ from ..filemodes import private_dir
 from . import db
 
 
-def _script(name: str):
+def _script(name: str) -> Callable[[], str]:
     def read() -> str:
         return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
     return read
 
 
 #: (version, SQL script).  Append only; never edit a migration that has shipped.
-MIGRATIONS: list[tuple[int, callable]] = [
+MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (1, _script("schema.sql")),
     (2, _script("schema_v2_obligations.sql")),  # delivery obligations, webhook secrets
     (3, _script("schema_v3_run_triggers.sql")),  # runs' triggers without per-row IN lists
@@ -52,7 +53,8 @@ def split_statements(script: str) -> list[str]:
 
 def current_version(conn: sqlite3.Connection) -> int:
     with db.ledger_errors():
-        return conn.execute("PRAGMA user_version").fetchone()[0]
+        version: int = conn.execute("PRAGMA user_version").fetchone()[0]
+        return version
 
 
 def migrate(path: Path, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000) -> int:

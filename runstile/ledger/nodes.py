@@ -1,4 +1,5 @@
-"""Node generations (SPEC §5): bumped only by the process holding the node's flock."""
+"""Node generations (docs/operations.md, "Node lock and generations"): bumped only by the
+process holding the node's flock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Delivery obligations (SPEC §7): every move of an obligation row, and nothing else.
+"""Delivery obligations (docs/architecture.md, "Deliveries"): every move of an obligation
+row, and nothing else.
 
 Callback obligations are inserted by the ``obligations_from_events`` trigger (migration
 2) in the transaction of the run's own transition; ``insert_deliver`` adds the ones a
@@ -20,6 +21,7 @@ import json
 import secrets
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
 from . import db, events
 from .db import NOW
@@ -29,7 +31,8 @@ def new_id() -> str:
     return "msg_" + secrets.token_hex(16)
 
 
-def insert_deliver(conn: sqlite3.Connection, run: dict, *, url: str, payload_json: str) -> str:
+def insert_deliver(conn: sqlite3.Connection, run: dict[str, Any], *, url: str,
+                   payload_json: str) -> str:
     """A ``ctx.deliver`` obligation, inside the caller's (fenced) transaction."""
     obligation_id = new_id()
     conn.execute(
@@ -42,20 +45,20 @@ def insert_deliver(conn: sqlite3.Connection, run: dict, *, url: str, payload_jso
 
 # --------------------------------------------------------------------------- reading
 
-def get(conn: sqlite3.Connection, obligation_id: str) -> dict | None:
+def get(conn: sqlite3.Connection, obligation_id: str) -> dict[str, Any] | None:
     with db.ledger_errors():
         row = conn.execute("SELECT * FROM obligations WHERE id = ?", (obligation_id,)).fetchone()
     return None if row is None else dict(row)
 
 
-def for_run(conn: sqlite3.Connection, run_id: str) -> list[dict]:
+def for_run(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
     with db.ledger_errors():
         rows = conn.execute("SELECT * FROM obligations WHERE run_id = ? ORDER BY created_at, id",
                             (run_id,)).fetchall()
     return [dict(r) for r in rows]
 
 
-def run_row(conn: sqlite3.Connection, run_id: str) -> dict | None:
+def run_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
     """The run an obligation belongs to (kept from retention while it owes anything)."""
     with db.ledger_errors():
         row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
@@ -95,7 +98,7 @@ class Claim:
     """``row`` when this deliverer won the attempt; else ``wait_s`` > 0 when the
     obligation is pending but not yet due (the message came early), or neither."""
 
-    row: dict | None = None
+    row: dict[str, Any] | None = None
     wait_s: float = 0.0
 
 
@@ -118,12 +121,13 @@ def claim(conn: sqlite3.Connection, obligation_id: str, *, node: str, generation
     return Claim(wait_s=max(0.0, early[0]) if early is not None else 0.0)
 
 
-def _cas(row: dict) -> tuple[str, tuple]:
+def _cas(row: dict[str, Any]) -> tuple[str, tuple[object, ...]]:
     return ("id = ? AND run_id = ? AND fence = ? AND state = 'attempting'",
             (row["id"], row["run_id"], row["fence"]))
 
 
-def settle_delivered(conn: sqlite3.Connection, row: dict, *, status: int | None) -> bool:
+def settle_delivered(conn: sqlite3.Connection, row: dict[str, Any], *,
+                     status: int | None) -> bool:
     where, args = _cas(row)
     with db.transaction(conn):
         won = conn.execute(
@@ -136,8 +140,8 @@ def settle_delivered(conn: sqlite3.Connection, row: dict, *, status: int | None)
     return won
 
 
-def settle_failed(conn: sqlite3.Connection, row: dict, *, status: int | None, error: str,
-                  delay_s: float, park: bool) -> bool:
+def settle_failed(conn: sqlite3.Connection, row: dict[str, Any], *, status: int | None,
+                  error: str, delay_s: float, park: bool) -> bool:
     """A failed attempt: back to pending after ``delay_s``, or parked (``park``: a 410,
     or the attempts are used up).  A parked obligation stays until a person acts."""
     where, args = _cas(row)
@@ -162,7 +166,7 @@ def settle_failed(conn: sqlite3.Connection, row: dict, *, status: int | None, er
             (delay_s, delay_s, status, error, *args)).rowcount == 1
 
 
-def _event_data(row: dict) -> dict:
+def _event_data(row: dict[str, Any]) -> dict[str, Any]:
     return {"delivery_id": row["id"], "type": row["type"], "attempts": row["attempts"]}
 
 
@@ -170,10 +174,11 @@ def _event_data(row: dict) -> dict:
 
 def rearm_orphans(conn: sqlite3.Connection, *, node_id: str, generation: int,
                   max_attempts: int, limit: int) -> tuple[int, int]:
-    """SPEC §6.2 step 2: attempts whose owner is gone (lease expired, or an earlier
-    generation of this node) go back to pending and count as ambiguous — the receiver
-    may have the request.  One that has used all its attempts parks instead, so a
-    payload that kills its deliverer cannot loop forever.  Returns (re-armed, parked)."""
+    """Recovery's step 2 (docs/operations.md, "Recovery"): attempts whose owner is gone
+    (lease expired, or an earlier generation of this node) go back to pending and count
+    as ambiguous — the receiver may have the request.  One that has used all its attempts
+    parks instead, so a payload that kills its deliverer cannot loop forever.  Returns
+    (re-armed, parked)."""
     gone = (f"state = 'attempting' AND (lease_expires_at <= {NOW} OR "
             "(owner_node = :node AND owner_generation < :generation))")
     params = {"node": node_id, "generation": generation, "max": max_attempts,
@@ -199,7 +204,8 @@ def rearm_orphans(conn: sqlite3.Connection, *, node_id: str, generation: int,
 
 # --------------------------------------------------------------------------- people
 
-def rearm(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dict, bool] | None:
+def rearm(conn: sqlite3.Connection, obligation_id: str, *,
+          by: str) -> tuple[dict[str, Any], bool] | None:
     """parked -> pending with a fresh set of attempts: (row, changed).  Repeats, and a
     retry of one that is already pending or in flight, change nothing."""
     return _decide(conn, obligation_id, by, "delivery.rearmed",
@@ -207,15 +213,16 @@ def rearm(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dic
                    "message_due_at = NULL, settled_at = NULL", ("parked",))
 
 
-def discard(conn: sqlite3.Connection, obligation_id: str, *, by: str) -> tuple[dict, bool] | None:
+def discard(conn: sqlite3.Connection, obligation_id: str, *,
+            by: str) -> tuple[dict[str, Any], bool] | None:
     """pending | parked -> discarded, for good: (row, changed).  Not while an attempt
     is in flight (its outcome would race the decision)."""
     return _decide(conn, obligation_id, by, "delivery.discarded",
                    f"state = 'discarded', settled_at = {NOW}", ("pending", "parked"))
 
 
-def _decide(conn, obligation_id: str, by: str, event: str, assignments: str,
-            from_states: tuple[str, ...]) -> tuple[dict, bool] | None:
+def _decide(conn: sqlite3.Connection, obligation_id: str, by: str, event: str, assignments: str,
+            from_states: tuple[str, ...]) -> tuple[dict[str, Any], bool] | None:
     """A person's decision: one guarded UPDATE and its event, or the row as it stands
     (None if there is no such obligation)."""
     marks = ", ".join("?" for _ in from_states)
@@ -232,5 +239,5 @@ def _decide(conn, obligation_id: str, by: str, event: str, assignments: str,
     return None if current is None else (dict(current), False)
 
 
-def payload_of(row: dict) -> object:
+def payload_of(row: dict[str, Any]) -> object:
     return None if row["payload"] is None else json.loads(row["payload"])

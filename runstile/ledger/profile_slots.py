@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import collections
 import sqlite3
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .db import NOW
 from .runs import Enqueue, add_dispatch
@@ -37,11 +38,12 @@ REFUSAL = "profile_busy"
 
 def running(conn: sqlite3.Connection, profile_id: str) -> int:
     """The profile's runs holding a slot (through runs_running_by_profile: a few rows)."""
-    return conn.execute(f"SELECT COUNT(*) FROM runs WHERE profile_id = ? AND status IN "
-                        f"{HOLDING}", (profile_id,)).fetchone()[0]
+    count: int = conn.execute(f"SELECT COUNT(*) FROM runs WHERE profile_id = ? AND status IN "
+                              f"{HOLDING}", (profile_id,)).fetchone()[0]
+    return count
 
 
-def claim_refusal(conn: sqlite3.Connection, run: dict, cap: int | None) -> str | None:
+def claim_refusal(conn: sqlite3.Connection, run: dict[str, Any], cap: int | None) -> str | None:
     """Inside the claim's transaction: ``REFUSAL`` if ``run`` (queued, its session's turn)
     would exceed its profile's cap, having marked it as waiting; else None."""
     if cap is None or running(conn, run["profile_id"]) < cap:
@@ -53,7 +55,7 @@ def claim_refusal(conn: sqlite3.Connection, run: dict, cap: int | None) -> str |
     return REFUSAL
 
 
-def _waiting(conn: sqlite3.Connection, profile_id: str, limit: int) -> list[dict]:
+def _waiting(conn: sqlite3.Connection, profile_id: str, limit: int) -> list[dict[str, Any]]:
     """The profile's oldest runs waiting for a slot that may go now (their session's
     turn: a run behind a busy session would only be refused again)."""
     rows = conn.execute(
@@ -76,7 +78,8 @@ def dispatch_waiting(conn: sqlite3.Connection, profile_id: str, count: int,
     return [run["id"] for run in waiting]
 
 
-def dispatch_next(conn: sqlite3.Connection, run: dict, enqueue: Enqueue | None) -> str | None:
+def dispatch_next(conn: sqlite3.Connection, run: dict[str, Any],
+                  enqueue: Enqueue | None) -> str | None:
     """After ``run`` left running or stopping, in the same transaction: its slot goes to
     the profile's oldest waiting run, if any (an indexed lookup that finds nothing when
     no cap is set)."""
@@ -84,7 +87,7 @@ def dispatch_next(conn: sqlite3.Connection, run: dict, enqueue: Enqueue | None) 
     return dispatched[0] if dispatched else None
 
 
-def dispatch_freed(conn: sqlite3.Connection, runs: Iterable[dict],
+def dispatch_freed(conn: sqlite3.Connection, runs: Iterable[dict[str, Any]],
                    enqueue: Enqueue | None) -> list[str]:
     """:func:`dispatch_next` for a batch of runs that all left running or stopping."""
     freed = collections.Counter(run["profile_id"] for run in runs)

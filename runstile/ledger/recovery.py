@@ -1,5 +1,6 @@
-"""Recovery's SQL (SPEC §6): find runs whose owner is gone and move each, by one guarded
-UPDATE, to the state the §6.3 table gives; find queued runs whose message is missing.
+"""Recovery's SQL (docs/operations.md, "Recovery"): find runs whose owner is gone and move
+each, by one guarded UPDATE, to the state the table of
+docs/tasks.md, "When the worker is gone" gives; find queued runs whose message is missing.
 
 Every UPDATE is guarded on the exact row recovery read (status, whole owner, lease
 expiry): if the owner renewed its lease in between, or another recovery got there
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
+from typing import Any
 
 from . import db, events, profile_slots, sessions
 from .db import NOW
@@ -23,21 +26,22 @@ _GUARD = ("id = ? AND status = ? AND owner_node IS ? AND owner_generation IS ? A
           "owner_pid IS ? AND owner_thread IS ? AND lease_expires_at IS ?")
 
 
-def _guard_args(run: dict) -> tuple:
+def _guard_args(run: dict[str, Any]) -> tuple[object, ...]:
     return (run["id"], run["status"], run["owner_node"], run["owner_generation"],
             run["owner_pid"], run["owner_thread"], run["lease_expires_at"])
 
 
-#: What recovery reads of an orphan: enough to classify it (§6.3), guard its UPDATE and
-#: free its session; never input, result or metadata (up to RUNSTILE_MAX_BODY_BYTES
-#: each, and a batch holds CLASSIFY_BATCH runs).
+#: What recovery reads of an orphan: enough to classify it
+#: (docs/tasks.md, "When the worker is gone"), guard its UPDATE and free its session;
+#: never input, result or metadata (up to RUNSTILE_MAX_BODY_BYTES each, and a batch
+#: holds CLASSIFY_BATCH runs).
 _ORPHAN_COLUMNS = ("seq, id, profile_id, key_id, task, session_key, status, attempt, "
                    "recovery_attempts, interruption, owner_node, owner_generation, owner_pid, "
                    "owner_thread, lease_expires_at")
 
 
 def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
-             limit: int) -> list[dict]:
+             limit: int) -> list[dict[str, Any]]:
     """Runs handed to a worker whose owner is gone: the lease lapsed, or the owner is an
     earlier generation of this node (dead by definition once this generation booted)."""
     # Two index ranges instead of one OR (which SQLite answers by walking every
@@ -51,10 +55,11 @@ def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
     return [dict(r) for r in rows]
 
 
-def classify(conn: sqlite3.Connection, run: dict, *, on_crash: str, budget: int,
+def classify(conn: sqlite3.Connection, run: dict[str, Any], *, on_crash: str, budget: int,
              uncertain: bool | None = None) -> tuple[str, str | None]:
-    """The SPEC §6.3 row for ``run``: (class, reason).  Pure decision from the ledger
-    (``uncertain`` may be given when the caller looked up a whole batch at once)."""
+    """The row of docs/tasks.md, "When the worker is gone" for ``run``: (class, reason).
+    Pure decision from the ledger (``uncertain`` may be given when the caller looked up a
+    whole batch at once)."""
     if run["status"] == "stopping":
         return "cancelled", "stopped"
     if uncertain is None:
@@ -74,7 +79,14 @@ def classify(conn: sqlite3.Connection, run: dict, *, on_crash: str, budget: int,
     return "requeued", requeue_reason
 
 
-def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
+#: The terminal classes: (status, error code, error message).
+_TERMINAL: dict[str, tuple[str, str | None, str | None]] = {
+    "cancelled": ("cancelled", None, None),
+    "interrupted": ("interrupted", "owner_lost",
+                    "the worker running this run stopped before it finished")}
+
+
+def apply(conn: sqlite3.Connection, run: dict[str, Any], klass: str, reason: str | None,
           enqueue: Enqueue | None) -> bool:
     """Move ``run`` to ``klass`` in the caller's transaction; False if the guard lost."""
     clear_owner = ("owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
@@ -98,17 +110,14 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
             f"WHERE {_GUARD} RETURNING id", (reason, *_guard_args(run))).fetchone()
         if row is None:
             return False
-        data: dict = {"reason": reason}
+        data: dict[str, Any] = {"reason": reason}
         if reason == "uncertain_side_effect":
             data["steps"] = uncertain_steps(conn, run["id"])
         events.append(conn, run["id"], "run.paused", data)
         sessions.dispatch_next(conn, run, enqueue)
         profile_slots.dispatch_next(conn, run, enqueue)
         return True
-    terminal = {"cancelled": ("cancelled", None, None),
-                "interrupted": ("interrupted", "owner_lost",
-                                "the worker running this run stopped before it finished")}
-    status, code, message = terminal[klass]
+    status, code, message = _TERMINAL[klass]
     row = conn.execute(
         f"UPDATE runs SET status = ?, error_code = ?, error_message = ?, recovery_reason = ?, "
         f"finished_at = {NOW}, {clear_owner} WHERE {_GUARD} RETURNING id",
@@ -123,9 +132,8 @@ def apply(conn: sqlite3.Connection, run: dict, klass: str, reason: str | None,
     return True
 
 
-_TERMINAL = {"cancelled": ("cancelled", None, None),
-             "interrupted": ("interrupted", "owner_lost",
-                             "the worker running this run stopped before it finished")}
+#: One run's classification for :func:`apply_terminal_many`: (run, class, reason).
+Decision = tuple[dict[str, Any], str, str | None]
 
 
 def uncertain_among(conn: sqlite3.Connection, run_ids: list[str]) -> set[str]:
@@ -137,7 +145,7 @@ def uncertain_among(conn: sqlite3.Connection, run_ids: list[str]) -> set[str]:
     return {r[0] for r in rows}
 
 
-def apply_terminal_many(conn: sqlite3.Connection, decisions: list[tuple[dict, str, str]],
+def apply_terminal_many(conn: sqlite3.Connection, decisions: list[Decision],
                         enqueue: Enqueue | None) -> list[str]:
     """Set-based ``apply`` for the terminal classes (interrupted, cancelled): one guarded
     UPDATE per class for a whole batch, then its events, in the caller's transaction.
@@ -175,13 +183,11 @@ def apply_terminal_many(conn: sqlite3.Connection, decisions: list[tuple[dict, st
             continue
         by_id = {run["id"]: (run, reason) for run, reason in rows}
         data: dict[str | None, str] = {}   # the event's JSON, made once per reason
-        for rid in ids:
-            reason = by_id[rid][1]
-            if reason not in data:
-                data[reason] = json.dumps(
-                    {"reason": "stopped"} if code is None else
-                    {"reason": reason, "error": {"code": code, "message": message}},
-                    separators=(",", ":"))
+        for reason in {by_id[rid][1] for rid in ids}:
+            data[reason] = json.dumps(
+                {"reason": "stopped"} if code is None else
+                {"reason": reason, "error": {"code": code, "message": message}},
+                separators=(",", ":"))
         # One prepared INSERT ... VALUES stepped once per run (executemany), its seq read
         # from the run's own last event by a subquery.  Not INSERT ... SELECT: a SELECT
         # that reads the table it inserts into is first copied into a temporary table
@@ -202,7 +208,8 @@ def apply_terminal_many(conn: sqlite3.Connection, decisions: list[tuple[dict, st
     return won
 
 
-def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int) -> list[dict]:
+def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float,
+                    limit: int) -> list[dict[str, Any]]:
     """Queued runs, idle longer than ``older_than_s``, with no live message in the
     embedded broker (a message that was dead-lettered, flushed or lost).  Not those
     waiting for a slot of their profile: they have no message on purpose, and step 5
@@ -215,7 +222,7 @@ def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float, limit: int
     return [dict(r) for r in rows]
 
 
-def republish(conn: sqlite3.Connection, run: dict, enqueue: Enqueue) -> bool:
+def republish(conn: sqlite3.Connection, run: dict[str, Any], enqueue: Enqueue | None) -> bool:
     """Hand a stranded queued run to the broker again (a duplicate is harmless: the
     claim lets one execution through).  Guarded on the run still being queued."""
     row = conn.execute(f"UPDATE runs SET updated_at = {NOW} WHERE id = ? AND status = 'queued' "
@@ -227,8 +234,9 @@ def republish(conn: sqlite3.Connection, run: dict, enqueue: Enqueue) -> bool:
 
 
 def mark_drained(conn: sqlite3.Connection, *, node: str, generation: int, pid: int) -> list[str]:
-    """SPEC §6.4: every run this process still holds becomes a controlled interruption,
-    in ONE transaction, and its lease is released so recovery can act at once."""
+    """The drain (docs/architecture.md, "Worker processes"): every run this process still
+    holds becomes a controlled interruption, in ONE transaction, and its lease is released
+    so recovery can act at once."""
     with db.transaction(conn):
         rows = conn.execute(
             f"UPDATE runs SET interruption = 'drain', lease_expires_at = {NOW}, "
@@ -246,7 +254,7 @@ def mark_drained(conn: sqlite3.Connection, *, node: str, generation: int, pid: i
 PASS_CACHE_KIB = 32 * 1024
 
 
-def open_pass(path, *, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connection:
+def open_pass(path: Path | str, *, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connection:
     """The connection one recovery pass does all its work on.
 
     Besides the cache: temporary storage in memory, because the batch UPDATE (many rows,
@@ -306,16 +314,17 @@ def open_barrier(conn: sqlite3.Connection, node_id: str, generation: int) -> boo
 
 
 def record_report(conn: sqlite3.Connection, *, node_id: str, generation: int, trigger: str,
-                  started_at: float, counts: dict) -> int:
+                  started_at: float, counts: dict[str, float]) -> int:
     with db.transaction(conn):
-        return conn.execute(
+        report_id: int = conn.execute(
             "INSERT INTO recovery_reports (node_id, generation, trigger, started_at, finished_at, "
             f"counts) VALUES (?, ?, ?, ?, {NOW}, ?) RETURNING id",
             (node_id, generation, trigger, started_at, json.dumps(counts, sort_keys=True))
         ).fetchone()[0]
+        return report_id
 
 
-def latest_reports(conn: sqlite3.Connection, limit: int = 20) -> list[dict]:
+def latest_reports(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, Any]]:
     with db.ledger_errors():
         rows = conn.execute("SELECT * FROM recovery_reports ORDER BY id DESC LIMIT ?",
                             (limit,)).fetchall()
@@ -324,4 +333,5 @@ def latest_reports(conn: sqlite3.Connection, limit: int = 20) -> list[dict]:
 
 def ledger_now(conn: sqlite3.Connection) -> float:
     with db.ledger_errors():
-        return conn.execute(f"SELECT {NOW}").fetchone()[0]
+        now: float = conn.execute(f"SELECT {NOW}").fetchone()[0]
+        return now

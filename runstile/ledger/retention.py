@@ -15,7 +15,6 @@ from . import db
 from .db import NOW
 from .states import TERMINAL, sql_list
 
-
 #: Recovery reports always kept, newest first, whatever their age: enough to read a few
 #: hours of scheduled passes of a node (one every RUNSTILE_RECOVERY_INTERVAL_S) back.
 REPORTS_KEPT = 1000
@@ -35,7 +34,7 @@ def purge(conn: sqlite3.Connection, *, run_retention_s: float, key_tombstone_s: 
             f"SELECT id, profile_id, key_id FROM runs WHERE status IN {sql_list(TERMINAL)} "
             f"AND finished_at IS NOT NULL AND finished_at <= {NOW} - ? "
             # A run is kept while it owes a delivery, and for the retention period after
-            # its last one was delivered or discarded (SPEC §8).
+            # its last one was delivered or discarded (docs/operations.md, "Retention").
             "AND NOT EXISTS (SELECT 1 FROM obligations o WHERE o.run_id = runs.id AND "
             f"(o.state NOT IN ('delivered', 'discarded') OR o.settled_at > {NOW} - ?)) "
             "LIMIT ?", (run_retention_s, run_retention_s, batch)).fetchall()

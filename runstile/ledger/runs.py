@@ -10,8 +10,9 @@ their dispatch records through :func:`add_dispatch`.  Admitting a run is
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, cast
 
 from ..errors import ListQueryTimeout
 from . import db
@@ -19,16 +20,16 @@ from .db import NOW
 from .keys import Principal
 from .states import RunStatus
 
-
 #: Called inside the admission transaction after the run row exists, so that an embedded
 #: broker can insert its message in the same transaction (no dual write).  It either
 #: writes the message or raises (rolling the whole transaction back).  It may also offer
 #: ``message(run, dispatch_id) -> broker_queue.NewMessage``: then a batch of admissions
 #: inserts all its messages with one statement (broker_queue.insert_messages).
-Enqueue = Callable[[sqlite3.Connection, dict, int], None]
+Enqueue = Callable[[sqlite3.Connection, dict[str, Any], int], None]
 
 
-def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
+def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,
+                 enqueue: Enqueue | None) -> int:
     """Record that ``run`` must reach a worker; inside the caller's transaction.
 
     With an in-transaction ``enqueue`` (the embedded broker) the message is written in
@@ -36,10 +37,11 @@ def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
     until a publisher marks it after commit.
     """
     # lastrowid, not RETURNING id: a RETURNING row costs a second sqlite3_step to fetch.
-    dispatch_id = conn.execute(
+    # (After an INSERT, lastrowid is the new row's id: never None.)
+    dispatch_id = cast(int, conn.execute(
         "INSERT INTO dispatches (run_id, attempt, reason, created_at, sent_at) "
         f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END)",
-        (run["id"], run["attempt"], reason, enqueue is not None)).lastrowid
+        (run["id"], run["attempt"], reason, enqueue is not None)).lastrowid)
     if run.get("slot_wait_since") is not None:
         # It waited for a slot of its profile without a message; now it has one, so a
         # freed slot must not be handed to it a second time (ledger/profile_slots.py).
@@ -49,7 +51,7 @@ def add_dispatch(conn, run: dict, reason: str, enqueue: Enqueue | None) -> int:
     return dispatch_id
 
 
-def visible_clause(principal: Principal) -> tuple[str, tuple]:
+def visible_clause(principal: Principal) -> tuple[str, tuple[str, ...]]:
     """SQL condition and arguments limiting runs to what a key may see (docs/guarantees.md,
     "6. Isolation")."""
     if principal.is_admin:
@@ -57,7 +59,8 @@ def visible_clause(principal: Principal) -> tuple[str, tuple]:
     return "profile_id = ? AND key_id = ?", (principal.profile_id, principal.key_id)
 
 
-def get_visible(conn: sqlite3.Connection, principal: Principal, run_id: str) -> dict | None:
+def get_visible(conn: sqlite3.Connection, principal: Principal,
+                run_id: str) -> dict[str, Any] | None:
     """The run if the principal may see it, else None (the caller answers 404)."""
     where, args = visible_clause(principal)
     with db.ledger_errors():
@@ -79,7 +82,7 @@ class RunFilter:
 
 def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter, *,
                  before_seq: int | None, limit: int,
-                 timeout_s: float) -> tuple[list[dict], bool]:
+                 timeout_s: float) -> tuple[list[dict[str, Any]], bool]:
     """Newest first.  Keyset pagination on seq: a run admitted while a client pages
     gets a larger seq than every cursor, so it can neither repeat nor shift a page.
 
@@ -87,7 +90,7 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
     large scope make SQLite scan it all, and a client must not hold a thread and a read
     snapshot for as long as it likes (docs/api.md, "Limits on a list query")."""
     where, args = visible_clause(principal)
-    clauses, params = [where], list(args)
+    clauses, params = [where], list[object](args)
     if flt.statuses:
         clauses.append(f"status IN ({', '.join('?' for _ in flt.statuses)})")
         params += [RunStatus(s).value for s in flt.statuses]
@@ -119,7 +122,7 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
     return [dict(r) for r in rows[:limit]], len(rows) > limit
 
 
-def _list_timeout(timeout_s: float):
+def _list_timeout(timeout_s: float) -> Callable[[], ListQueryTimeout]:
     return lambda: ListQueryTimeout(
         f"the list query ran past its limit of {timeout_s * 1000:g} ms and was stopped; "
         f"narrow it (status, task, session_key, created_after/created_before) or lower "

@@ -1,6 +1,7 @@
 -- runstile ledger, schema version 1 (applied by migrations.py; PRAGMA user_version).
 --
--- The ledger is the single source of truth (SPEC §1).  All SQL lives in runstile/ledger/.
+-- The ledger is the single source of truth (docs/architecture.md, "The ledger").  All SQL
+-- lives in runstile/ledger/.
 -- Times are Unix seconds (REAL, millisecond precision) taken from the ledger's clock
 -- (db.NOW), so that every process compares leases and retention against one clock.
 -- Statuses (ledger/states.py): queued, running, stopping, waiting_for_approval, paused
@@ -38,7 +39,8 @@ CREATE TABLE api_keys (
 -- runs: one row per admitted run.  Inserted by admission (ledger/admission.py admit); every
 -- later change is one guarded UPDATE in ledger/ that names the status it expects.
 -- seq orders runs by admission (list cursors, session order); id is the public id and
--- is unique across every scope (a client run id is taken "anywhere", SPEC §3.1).
+-- is unique across every scope (a client run id is taken "anywhere": docs/api.md,
+-- "Reservation").
 -- (profile_id, key_id) is the scope that admitted the run.
 CREATE TABLE runs (
     seq                 INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -66,10 +68,11 @@ CREATE TABLE runs (
     updated_at          REAL NOT NULL,
     started_at          REAL,
     finished_at         REAL,
-    -- The lease (SPEC §5): set by the claim, renewed by the owner process's heartbeat,
-    -- cleared when the run leaves running/stopping.  Owner = (node, generation, pid,
-    -- thread); a guarded UPDATE that names all four is how a worker proves it still
-    -- owns the run.  interruption = 'drain' marks a controlled interruption (§6.4).
+    -- The lease (docs/tasks.md, "Time limits, leases and the heartbeat"): set by the
+    -- claim, renewed by the owner process's heartbeat, cleared when the run leaves
+    -- running/stopping.  Owner = (node, generation, pid, thread); a guarded UPDATE that
+    -- names all four is how a worker proves it still owns the run.  interruption =
+    -- 'drain' marks a controlled interruption (docs/architecture.md, "Worker processes").
     approval            TEXT,                           -- JSON: the latest approval request
     owner_node          TEXT,
     owner_generation    INTEGER,
@@ -88,8 +91,8 @@ CREATE INDEX runs_finished   ON runs (finished_at) WHERE finished_at IS NOT NULL
 CREATE INDEX runs_in_flight  ON runs (lease_expires_at) WHERE status IN ('running', 'stopping');
 CREATE INDEX runs_queued     ON runs (updated_at) WHERE status = 'queued';
 
--- A terminal run never changes status again (SPEC §4); this is the ledger's own guard
--- beneath the guarded UPDATEs.
+-- A terminal run never changes status again (docs/architecture.md, "Run lifecycle");
+-- this is the ledger's own guard beneath the guarded UPDATEs.
 CREATE TRIGGER runs_terminal_is_final BEFORE UPDATE OF status ON runs
 WHEN old.status IN ('completed', 'failed', 'cancelled', 'interrupted')
      AND new.status IS NOT old.status
@@ -135,12 +138,13 @@ CREATE INDEX idempotency_keys_by_run ON idempotency_keys (run_id);
 CREATE INDEX runs_by_owner   ON runs (owner_node, owner_generation, owner_pid)
     WHERE owner_node IS NOT NULL;
 
--- journal: what each execution of a run's body did, in call order (SPEC §5 steps).
+-- journal: what each execution of a run's body did, in call order
+-- (docs/tasks.md, "What replays and what re-runs").
 -- One row per journaled call (ctx.step, ctx.emit; later deliver and request_approval),
 -- keyed by (run, position).  Written by the owning worker only, each write guarded on
 -- its lease; a re-run body replays completed rows instead of repeating them.
 -- state: started -> completed | failed.  A non-idempotent step left 'started' by a
--- dead owner is an uncertain side effect (SPEC §6.3).
+-- dead owner is an uncertain side effect (docs/tasks.md, "When the worker is gone").
 CREATE TABLE journal (
     run_id       TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     position     INTEGER NOT NULL,
@@ -158,7 +162,8 @@ CREATE TABLE journal (
 ) WITHOUT ROWID;
 
 -- key_tombstones / run_tombstones: what retention purged, remembered until expires_at so
--- that a late retry answers 410 instead of silently creating a second run (SPEC §8).
+-- that a late retry answers 410 instead of silently creating a second run
+-- (docs/guarantees.md, "2. Idempotent admission").
 -- Written by retention only; expired rows are purged by retention too.
 CREATE TABLE key_tombstones (
     profile_id      TEXT NOT NULL,
@@ -179,7 +184,8 @@ CREATE INDEX run_tombstones_expiry ON run_tombstones (expires_at);
 -- dispatches: "this run must be handed to a worker".  Inserted in the same transaction
 -- as the change that makes a run claimable (admission, re-queue).  sent_at stays NULL
 -- until a broker accepted the message (the embedded broker sets it in that same
--- transaction); recovery re-publishes rows left unsent (SPEC §5, §6.2).
+-- transaction); recovery re-publishes rows left unsent (docs/operations.md, "Recovery",
+-- step 4).
 CREATE TABLE dispatches (
     id         INTEGER PRIMARY KEY,                     -- never reused while the run lives
     run_id     TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
@@ -191,7 +197,8 @@ CREATE TABLE dispatches (
 CREATE INDEX dispatches_by_run ON dispatches (run_id);
 CREATE INDEX dispatches_unsent ON dispatches (created_at) WHERE sent_at IS NULL;
 
--- events: each run's durable event log, seq from 1 (SPEC §3.3).  Appended in the same
+-- events: each run's durable event log, seq from 1
+-- (docs/api.md, "GET /v1/runs/{run_id}/events — the event log").  Appended in the same
 -- transaction as the transition or emit that causes it; never updated; deleted with
 -- their run by retention.
 CREATE TABLE events (
@@ -204,14 +211,16 @@ CREATE TABLE events (
 ) WITHOUT ROWID;
 
 -- nodes: one row per node id.  generation grows by one each time a process takes the
--- node's flock (SPEC §5): owners of earlier generations are dead by definition, so
--- recovery treats their leases as expired at once.  Written only by the lock holder.
+-- node's flock (docs/operations.md, "Node lock and generations"): owners of earlier
+-- generations are dead by definition, so recovery treats their leases as expired at
+-- once.  Written only by the lock holder.
 CREATE TABLE nodes (
     id                   TEXT PRIMARY KEY,
     generation           INTEGER NOT NULL DEFAULT 0,
     booted_at            REAL,
-    -- The generation whose boot recovery has finished: the recovery barrier (SPEC §6.1)
-    -- is open for this node exactly when recovered_generation = generation.
+    -- The generation whose boot recovery has finished: the recovery barrier
+    -- (docs/guarantees.md, "4. Recovery barrier") is open for this node exactly when
+    -- recovered_generation = generation.
     recovered_generation INTEGER NOT NULL DEFAULT 0
 );
 
@@ -228,9 +237,10 @@ CREATE TABLE recovery_reports (
 );
 
 -- ---------------------------------------------------------------------------------------
--- Embedded broker (RUNSTILE_BROKER_URL=sqlite, SPEC §5): Dramatiq's messages live here so
--- that admission inserts a run's message in the run's own transaction.  All SQL for these
--- tables is in ledger/broker_queue.py; workers/sqlite_broker.py is the Dramatiq side.
+-- Embedded broker (RUNSTILE_BROKER_URL=sqlite; docs/architecture.md, "The embedded broker"):
+-- Dramatiq's messages live here so that admission inserts a run's message in the run's own
+-- transaction.  All SQL for these tables is in ledger/broker_queue.py;
+-- workers/sqlite_broker.py is the Dramatiq side.
 -- ---------------------------------------------------------------------------------------
 
 -- broker_messages: one row per delivery.  Inserted by admission and re-queues in the

@@ -1,4 +1,5 @@
--- Migration 2: delivery obligations and webhook signing secrets (SPEC §7).
+-- Migration 2: delivery obligations and webhook signing secrets (docs/api.md,
+-- "Deliveries (webhooks)").
 -- All SQL that reads or moves these rows is in ledger/obligations.py and
 -- ledger/webhook_secrets.py; the trigger below is the only other writer.
 
@@ -7,8 +8,9 @@
 --   * kind 'callback' — by the trigger obligations_from_events below, when a run that
 --     has a callback_url gets one of the events that ends it or needs a person
 --     (run.completed|failed|cancelled|interrupted, run.paused, approval.requested).
---     Every transition appends its event in its own transaction (SPEC §4), so hooking
---     the event covers every code path that moves a run, set-based recovery included.
+--     Every transition appends its event in its own transaction (docs/architecture.md,
+--     "Run lifecycle"), so hooking the event covers every code path that moves a run,
+--     set-based recovery included.
 --   * kind 'deliver' — by ctx.deliver (ledger/obligations.py), with its journal row.
 -- id is the delivery id, sent as `webhook-id`; it never changes, so every redelivery of
 -- one obligation carries the same id.  fence grows by one at every claim; clearing an
@@ -89,8 +91,9 @@ END;
 -- webhook_secrets: each profile's signing secrets (`whsec_…`).  Written by
 -- `runstile webhooks secret` (and created on first use by a delivery).  retires_at NULL
 -- is the current secret; a rotation sets the old one's retires_at to now + the grace
--- period and inserts a new one, and until then both sign (SPEC §7).  Secrets are stored
--- as they are (HMAC needs them), so ledger backups must be kept like the secrets.
+-- period and inserts a new one, and until then both sign (docs/operations.md,
+-- "Webhooks").  Secrets are stored as they are (HMAC needs them), so ledger backups must
+-- be kept like the secrets.
 CREATE TABLE webhook_secrets (
     profile_id TEXT NOT NULL,
     secret     TEXT NOT NULL,

@@ -1,4 +1,5 @@
-"""Sessions (SPEC §5): runs of one (scope, session_key) execute one at a time, in order.
+"""Sessions: runs of one (scope, session_key) execute one at a time, in order (docs/api.md,
+"POST /v1/runs — admit a run", ``session_key``).
 
 A run may be claimed only when no run of its session is running, stopping or waiting
 for approval, and it is the session's first queued run (resumed runs first, then
@@ -11,6 +12,7 @@ acknowledged as a no-op by the claim.
 from __future__ import annotations
 
 import sqlite3
+from typing import Any
 
 from .runs import Enqueue, add_dispatch
 
@@ -32,11 +34,11 @@ CLAIMABLE = (
     "((q.recovery_reason IS 'resumed') = (r.recovery_reason IS 'resumed') AND q.seq < r.seq)))))")
 
 
-def _key(run: dict) -> tuple:
+def _key(run: dict[str, Any]) -> tuple[str, str, str]:
     return run["profile_id"], run["key_id"], run["session_key"]
 
 
-def claim_refusal(conn: sqlite3.Connection, run: dict) -> str | None:
+def claim_refusal(conn: sqlite3.Connection, run: dict[str, Any]) -> str | None:
     """Why ``run`` (queued) may not be claimed now, or None if it may."""
     if run["session_key"] is None:
         return None
@@ -48,7 +50,8 @@ def claim_refusal(conn: sqlite3.Connection, run: dict) -> str | None:
     return None if head is not None and head[0] == run["id"] else "not_session_head"
 
 
-def dispatch_next(conn: sqlite3.Connection, run: dict, enqueue: Enqueue | None) -> str | None:
+def dispatch_next(conn: sqlite3.Connection, run: dict[str, Any],
+                  enqueue: Enqueue | None) -> str | None:
     """After ``run`` stopped holding its session: dispatch the session's next run, in the
     caller's transaction.  Returns the dispatched run id, if any."""
     if run.get("session_key") is None:
@@ -61,10 +64,11 @@ def dispatch_next(conn: sqlite3.Connection, run: dict, enqueue: Enqueue | None) 
     if head is None:
         return None
     add_dispatch(conn, dict(head), "session_next", enqueue)
-    return head["id"]
+    run_id: str = head["id"]
+    return run_id
 
 
-def heads_without_dispatch(conn: sqlite3.Connection, *, limit: int) -> list[dict]:
+def heads_without_dispatch(conn: sqlite3.Connection, *, limit: int) -> list[dict[str, Any]]:
     """Recovery step 5: each session with queued runs and nothing holding it, by its head."""
     rows = conn.execute(
         "SELECT r.* FROM runs r WHERE r.session_key IS NOT NULL AND r.status = 'queued' "

@@ -1,11 +1,15 @@
-"""Run statuses and the transitions SPEC §4 allows.  Pure: no I/O."""
+"""Run statuses and the transitions between them (docs/architecture.md, "Run lifecycle").
+Pure: no I/O."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 
-class RunStatus(str, enum.Enum):
+# Not enum.StrEnum: it would change str() and format() of a member ("queued" instead of
+# "RunStatus.QUEUED"), and sql_list sorts by str().
+class RunStatus(str, enum.Enum):  # noqa: UP042 - see above
     QUEUED = "queued"
     RUNNING = "running"
     STOPPING = "stopping"
@@ -25,7 +29,7 @@ TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED
                       RunStatus.INTERRUPTED})
 NON_TERMINAL = frozenset(RunStatus) - TERMINAL
 
-#: Every edge of SPEC §4's lifecycle diagram.
+#: Every edge of the lifecycle diagram (docs/architecture.md, "Run lifecycle").
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.QUEUED: frozenset({RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.FAILED}),
     RunStatus.RUNNING: frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.QUEUED,
@@ -45,6 +49,6 @@ def can_transition(source: RunStatus | str, target: RunStatus | str) -> bool:
     return RunStatus(target) in TRANSITIONS[RunStatus(source)]
 
 
-def sql_list(statuses) -> str:
+def sql_list(statuses: Iterable[RunStatus | str]) -> str:
     """A literal SQL list of statuses, for queries over fixed sets (no user input)."""
     return "(" + ", ".join(f"'{RunStatus(s).value}'" for s in sorted(statuses, key=str)) + ")"

@@ -9,7 +9,8 @@ from . import db
 
 def ping(conn: sqlite3.Connection) -> bool:
     with db.ledger_errors():
-        return conn.execute("SELECT 1").fetchone()[0] == 1
+        one: int = conn.execute("SELECT 1").fetchone()[0]
+        return one == 1
 
 
 def node_generation(conn: sqlite3.Connection, node_id: str) -> int:

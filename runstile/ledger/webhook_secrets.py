@@ -1,4 +1,5 @@
-"""Each profile's webhook signing secrets (SPEC §7, §9 `runstile webhooks secret`).
+"""Each profile's webhook signing secrets (`runstile webhooks secret`: docs/operations.md,
+"Webhooks").
 
 One current secret per profile (``retires_at IS NULL``, a unique partial index says so);
 a rotation gives the current one a ``retires_at`` of now + the grace period and adds a
@@ -8,7 +9,7 @@ new current one.  Until a retired secret's time is up, both sign every delivery.
 from __future__ import annotations
 
 import sqlite3
-from typing import Callable
+from collections.abc import Callable
 
 from . import db
 from .db import NOW
@@ -29,8 +30,9 @@ def current(conn: sqlite3.Connection, profile_id: str, new_secret: Callable[[], 
         # creator that got there first keeps its secret, and we read that one back.
         conn.execute(f"INSERT OR IGNORE INTO webhook_secrets (profile_id, secret, created_at) "
                      f"VALUES (?, ?, {NOW})", (profile_id, new_secret()))
-        return conn.execute("SELECT secret FROM webhook_secrets WHERE profile_id = ? AND "
-                            "retires_at IS NULL", (profile_id,)).fetchone()[0]
+        secret: str = conn.execute("SELECT secret FROM webhook_secrets WHERE profile_id = ? "
+                                   "AND retires_at IS NULL", (profile_id,)).fetchone()[0]
+        return secret
 
 
 def signing(conn: sqlite3.Connection, profile_id: str,

@@ -1,4 +1,4 @@
-"""One recovery pass, in the order of SPEC §6.2.
+"""One recovery pass, in the order of docs/operations.md, "Recovery".
 
 Called at every boot before any worker consumes (the barrier), on a schedule inside
 ``runstile up``/``runstile worker``, and by ``runstile recover``.  Recovered runs go back
@@ -12,15 +12,32 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from .. import crashpoints, dispatch
+from .. import tasks as registry
 from ..config import Settings
 from ..errors import LedgerUnavailable
-from .. import tasks as registry
-from ..ledger import (broker_queue, db, dispatches, migrations, obligations, profile_slots,
-                      recovery, retention, sessions)
+from ..ledger import (
+    broker_queue,
+    db,
+    dispatches,
+    migrations,
+    obligations,
+    profile_slots,
+    recovery,
+    retention,
+    sessions,
+)
 
 log = logging.getLogger("runstile.recovery")
+
+
+class _ConnectOptions(TypedDict):
+    """How a pass connects to the ledger (``migrations.migrate``, ``recovery.open_pass``)."""
+
+    synchronous: str
+    busy_timeout_ms: int
 
 #: Rows per transaction for the sweeps (bounded batches: the write lock is shared).
 BATCH = 200
@@ -73,7 +90,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
         started_at = recovery.ledger_now(conn)
         enqueue = dispatch.in_transaction_enqueue(settings)
         # 2. Sweep delivery obligations: outbound results go out before any run is
-        #    replayed (SPEC §6.2).
+        #    replayed (docs/operations.md, "Recovery").
         _sweep_obligations(settings, conn, report, generation=generation, trigger=trigger)
         # 3. Reconcile the journal: runs whose owner is gone, batch by batch.
         batches = 0
@@ -131,21 +148,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
                         report.counts["session_heads"] += 1
         _dispatch_slot_waiters(settings, conn, report, enqueue)
         # 6. Purge by retention, in bounded batches.
-        for _ in range(MAX_PURGE_BATCHES):
-            purged = retention.purge(conn, run_retention_s=settings.run_retention_s,
-                                     key_tombstone_s=settings.key_tombstone_s, batch=BATCH)
-            report.counts["purged"] += purged.runs
-            report.counts["tombstones_expired"] += purged.tombstones
-            if purged.runs < BATCH:
-                break
-        report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
-            conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
-        for _ in range(MAX_PURGE_BATCHES):
-            pruned = retention.prune_reports(conn, younger_than_s=settings.run_retention_s,
-                                             batch=BATCH)
-            report.counts["reports_pruned"] += pruned
-            if pruned < BATCH:
-                break
+        _purge(settings, conn, report)
         # 7. Record the report (the barrier is opened by the caller).
         report.duration_s = time.monotonic() - started
         report.report_id = recovery.record_report(
@@ -168,6 +171,26 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     return report
 
 
+def _purge(settings: Settings, conn, report: Report) -> None:
+    """Step 6: runs past retention and expired tombstones, dead-lettered broker messages,
+    and old recovery reports, each in bounded batches."""
+    for _ in range(MAX_PURGE_BATCHES):
+        purged = retention.purge(conn, run_retention_s=settings.run_retention_s,
+                                 key_tombstone_s=settings.key_tombstone_s, batch=BATCH)
+        report.counts["purged"] += purged.runs
+        report.counts["tombstones_expired"] += purged.tombstones
+        if purged.runs < BATCH:
+            break
+    report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
+        conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
+    for _ in range(MAX_PURGE_BATCHES):
+        pruned = retention.prune_reports(conn, younger_than_s=settings.run_retention_s,
+                                         batch=BATCH)
+        report.counts["reports_pruned"] += pruned
+        if pruned < BATCH:
+            break
+
+
 def _checkpoint(conn) -> None:
     """A checkpoint that fails (disk full, I/O error) loses nothing: the pages stay in
     the WAL, committed, for the next checkpoint.  So it never fails the pass, as an
@@ -183,7 +206,8 @@ def _open_migrated(settings: Settings):
     already there (every pass but a first boot's) is only checked, on this connection;
     otherwise migrations.migrate does the work on its own connection, re-checking the
     version under the write lock."""
-    options = {"synchronous": settings.synchronous, "busy_timeout_ms": settings.busy_timeout_ms}
+    options: _ConnectOptions = {"synchronous": settings.synchronous,
+                                "busy_timeout_ms": settings.busy_timeout_ms}
     if not settings.ledger_path.exists():
         migrations.migrate(settings.ledger_path, **options)
     conn = recovery.open_pass(settings.ledger_path, **options)
@@ -268,7 +292,8 @@ def _dispatch_slot_waiters(settings: Settings, conn, report: Report, enqueue) ->
 
 
 def boot(settings: Settings, generation: int) -> Report:
-    """Recovery for a new generation, then open the barrier (SPEC §6.1, §2.4)."""
+    """Recovery for a new generation, then open the barrier (docs/guarantees.md,
+    "4. Recovery barrier")."""
     report = run_pass(settings, generation=generation, trigger="boot")
     conn = db.connect(settings.ledger_path, synchronous=settings.synchronous,
                       busy_timeout_ms=settings.busy_timeout_ms)

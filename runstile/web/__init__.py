@@ -7,8 +7,10 @@ it learns task names from the registry and hands runs to workers through the led
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from flask import Flask
+from flask.json.provider import DefaultJSONProvider
 
 from .. import tasks as registry
 from ..config import Settings
@@ -39,14 +41,16 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     from . import approvals, deliveries, errors, metrics, runs, service
 
     app = Flask("runstile")
-    app.json.sort_keys = False
-    app.json.compact = True
+    json_provider = cast(DefaultJSONProvider, app.json)  # Flask's default provider
+    json_provider.sort_keys = False
+    json_provider.compact = True
     tasks = registry.load(settings.tasks)
-    committer: GroupCommitter | WriterClient = GroupCommitter(lambda: connect(
+    own = GroupCommitter(lambda: connect(
         settings.ledger_path, synchronous=settings.synchronous,
         busy_timeout_ms=settings.busy_timeout_ms))
+    committer: GroupCommitter | WriterClient = own
     if writer_socket is not None:
-        committer = WriterClient(writer_socket, committer,
+        committer = WriterClient(writer_socket, own,
                                  timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
                                  max_frame=max_frame(settings),
                                  on_unreachable=metrics.WRITER_UNREACHABLE.inc)

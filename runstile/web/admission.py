@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import (
     InvalidCallbackUrl,
@@ -29,6 +30,12 @@ from ..ledger.admission import AdmissionRequest
 from ..ledger.keys import Principal
 from ..netguard import callback_refusal
 
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIEnvironment
+    from flask import Request
+
+    from ..config import Settings
+
 RUN_ID_PATTERN = "run_[0-9a-f]{32}"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 #: Idempotency keys: 1-255 visible ASCII characters (code points 33-126, "!" to "~");
@@ -44,7 +51,7 @@ MAX_TEXT = 256
 MAX_TASK_NAME = 128
 
 
-def read_body(request, max_body_bytes: int) -> bytes:
+def read_body(request: Request, max_body_bytes: int) -> bytes:
     """The raw body, refusing more than the cap whether or not Content-Length is sent.
 
     Read by hand rather than through werkzeug's MAX_CONTENT_LENGTH: for a chunked body
@@ -54,7 +61,9 @@ def read_body(request, max_body_bytes: int) -> bytes:
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLarge(f"the body is larger than {max_body_bytes} bytes")
-    stream, chunks, total = request.stream, [], 0
+    stream = request.stream
+    chunks: list[bytes] = []
+    total = 0
     if length is not None:
         # The common case: one read of the declared length (gunicorn stops at it).
         return stream.read(length) if length else b""
@@ -68,7 +77,7 @@ def read_body(request, max_body_bytes: int) -> bytes:
         chunks.append(chunk)
 
 
-def require_json_content_type(request) -> None:
+def require_json_content_type(request: Request) -> None:
     mimetype = (request.mimetype or "").lower()
     if mimetype != "application/json" and not (
             mimetype.startswith("application/") and mimetype.endswith("+json")):
@@ -82,8 +91,8 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    seen: dict = {}
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
             raise ValueError(f"duplicate object key {key!r}")
@@ -116,11 +125,11 @@ def _too_deep(name: str) -> str:
     return f"{name} nests deeper than the limit of {MAX_DEPTH} levels of arrays and objects"
 
 
-def parse_idempotency_key(environ: dict) -> str | None:
+def parse_idempotency_key(environ: WSGIEnvironment) -> str | None:
     """The header's value, read from the WSGI environ: werkzeug's header view would walk
     the whole environ for it.  (A server folds repeated headers into one environ value,
     "a,b"; as before, that value is then checked as one key.)"""
-    key = environ.get("HTTP_IDEMPOTENCY_KEY")
+    key: str | None = environ.get("HTTP_IDEMPOTENCY_KEY")
     if key is None:
         return None
     if not _KEY.fullmatch(key):
@@ -142,7 +151,8 @@ def _unicode(value: str, name: str) -> None:
                              "not a Unicode character", field=name) from None
 
 
-def _text(body: dict, name: str, limit: int = MAX_TEXT, *, no_control: bool = False) -> str | None:
+def _text(body: dict[str, Any], name: str, limit: int = MAX_TEXT, *,
+          no_control: bool = False) -> str | None:
     value = body.get(name)
     if value is None:
         return None
@@ -154,7 +164,7 @@ def _text(body: dict, name: str, limit: int = MAX_TEXT, *, no_control: bool = Fa
     return value
 
 
-def _callback_url(body: dict) -> str | None:
+def _callback_url(body: dict[str, Any]) -> str | None:
     value = body.get("callback_url")
     if value is None:
         return None
@@ -164,7 +174,7 @@ def _callback_url(body: dict) -> str | None:
     return value
 
 
-def _metadata(body: dict) -> dict | None:
+def _metadata(body: dict[str, Any]) -> dict[str, str] | None:
     value = body.get("metadata")
     if value is None:
         return None
@@ -184,7 +194,8 @@ def _metadata(body: dict) -> dict | None:
     return value
 
 
-def build(request, principal: Principal, *, settings, task_names) -> tuple[AdmissionRequest, RunstileError | None]:
+def build(request: Request, principal: Principal, *, settings: Settings,
+          task_names: Collection[str]) -> tuple[AdmissionRequest, RunstileError | None]:
     """Validate one POST /v1/runs; return the request and the refusal for a new run.
 
     The checks run in the order docs/api.md ("Check order") states: body size, content
@@ -203,7 +214,8 @@ def build(request, principal: Principal, *, settings, task_names) -> tuple[Admis
                              field="input") from None
     run_id, metadata = fields["run_id"], fields["metadata"]
     key, derived = _key(header_key, run_id)
-    task = fields["task"] or settings.default_task
+    # _schema refused a body without a task when there is no default one.
+    task = cast(str, fields["task"] or settings.default_task)
     return AdmissionRequest(
         principal=principal, key=key, key_is_derived=derived, run_id=run_id, task=task,
         input_json=compact_json(fields["input"]), session_key=fields["session_key"],
@@ -214,7 +226,7 @@ def build(request, principal: Principal, *, settings, task_names) -> tuple[Admis
     ), _refusal(fields["callback_url"], task, task_names, settings.callback_allowlist)
 
 
-def _schema(body: Any, default_task: str | None) -> dict:
+def _schema(body: Any, default_task: str | None) -> dict[str, Any]:
     """The body's fields, checked and normalised (absent optional fields as None): what
     the fingerprint is computed over."""
     if not isinstance(body, dict):
@@ -247,7 +259,8 @@ def _key(header_key: str | None, run_id: str | None) -> tuple[str | None, bool]:
     return None, False
 
 
-def _refusal(callback_url: str | None, task: str, task_names, allowlist) -> RunstileError | None:
+def _refusal(callback_url: str | None, task: str, task_names: Collection[str],
+             allowlist: tuple[str, ...]) -> RunstileError | None:
     """What refuses a *new* run (a replay still answers): a callback URL delivery would
     refuse, or a task no process here registers."""
     reason = None if callback_url is None else callback_refusal(callback_url, allowlist)

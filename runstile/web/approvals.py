@@ -1,8 +1,9 @@
-"""POST /v1/runs/<id>/approval (SPEC §3.4): a person's decision on a pending approval."""
+"""POST /v1/runs/<id>/approval: a person's decision on a pending approval (docs/api.md,
+"POST /v1/runs/{run_id}/approval — decide a pending approval")."""
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
 from .. import dispatch
 from ..errors import InvalidRequest, RunNotFound
@@ -16,7 +17,7 @@ blueprint = Blueprint("approvals", __name__)
 
 
 @blueprint.post("/v1/runs/<run_id>/approval")
-def decide(run_id: str):
+def decide(run_id: str) -> Response:
     authenticate()
     if runs.get_visible(conn(), principal(), run_id) is None:
         raise RunNotFound("no such run")

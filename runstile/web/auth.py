@@ -28,4 +28,5 @@ def authenticate() -> Principal:
 
 
 def principal() -> Principal:
-    return g.principal
+    current: Principal = g.principal
+    return current

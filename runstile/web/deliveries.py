@@ -1,4 +1,4 @@
-"""Delivery obligations over HTTP (SPEC §3.4 "Deliveries", §7).
+"""Delivery obligations over HTTP (docs/api.md, "Deliveries (webhooks)").
 
 ``GET /v1/runs/<id>/deliveries`` lists a run's obligations; a person re-arms a parked
 one (``POST /v1/deliveries/<id>/retry``) or settles it for good (``…/discard``).  An
@@ -7,7 +7,9 @@ obligation is visible exactly when its run is (404 otherwise, never 403).
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
 
 from .. import dispatch
 from ..errors import DeliveryInFlight, DeliveryNotFound, DeliverySettled, RunNotFound
@@ -25,7 +27,7 @@ def _authenticate() -> None:
 
 
 @blueprint.get("/v1/runs/<run_id>/deliveries")
-def list_deliveries(run_id: str):
+def list_deliveries(run_id: str) -> Response:
     if runs.get_visible(conn(), principal(), run_id) is None:
         raise RunNotFound("no such run")
     rows = obligations.for_run(conn(), run_id)
@@ -33,7 +35,7 @@ def list_deliveries(run_id: str):
                     "has_more": False, "next_cursor": None})
 
 
-def _visible(delivery_id: str) -> dict:
+def _visible(delivery_id: str) -> dict[str, Any]:
     row = obligations.get(conn(), delivery_id) if len(delivery_id) <= 64 else None
     if row is None or runs.get_visible(conn(), principal(), row["run_id"]) is None:
         raise DeliveryNotFound("no such delivery")
@@ -45,25 +47,34 @@ def _by() -> str:
 
 
 @blueprint.post("/v1/deliveries/<delivery_id>/retry")
-def retry_delivery(delivery_id: str):
+def retry_delivery(delivery_id: str) -> Response:
     """parked -> pending with fresh attempts (200).  Already pending or in flight: 200,
     nothing changes.  Delivered or discarded: 409 delivery_settled."""
     _visible(delivery_id)
-    row, changed = obligations.rearm(conn(), delivery_id, by=_by())
+    decided = obligations.rearm(conn(), delivery_id, by=_by())
+    if decided is None:  # gone since _visible read it
+        raise DeliveryNotFound("no such delivery")
+    row, changed = decided
     if not changed and row["state"] in ("delivered", "discarded"):
         raise DeliverySettled(f"the delivery is {row['state']}")
     if changed:
         dispatch.send_deliveries(state().settings, conn(), run_id=row["run_id"])
-        row = obligations.get(conn(), delivery_id)
+        current = obligations.get(conn(), delivery_id)
+        if current is None:  # not expected: retention keeps a run that owes a delivery
+            raise DeliveryNotFound("no such delivery")
+        row = current
     return jsonify(delivery_object(row))
 
 
 @blueprint.post("/v1/deliveries/<delivery_id>/discard")
-def discard_delivery(delivery_id: str):
+def discard_delivery(delivery_id: str) -> Response:
     """pending | parked -> discarded (200); again: 200.  Delivered: 409
     delivery_settled; an attempt under way: 409 delivery_in_flight (ask again)."""
     _visible(delivery_id)
-    row, changed = obligations.discard(conn(), delivery_id, by=_by())
+    decided = obligations.discard(conn(), delivery_id, by=_by())
+    if decided is None:  # gone since _visible read it
+        raise DeliveryNotFound("no such delivery")
+    row, changed = decided
     if not changed and row["state"] == "delivered":
         raise DeliverySettled("the delivery was delivered")
     if not changed and row["state"] == "attempting":

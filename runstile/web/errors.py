@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, jsonify
+from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import MethodNotAllowed as HTTPMethodNotAllowed
 
 from ..errors import (
     CapacityExceeded,
@@ -32,7 +33,7 @@ _HTTP = {404: (RouteNotFound, "no route matches this path"),
          413: (PayloadTooLarge, "the body is too large")}
 
 
-def error_response(exc: RunstileError):
+def error_response(exc: RunstileError) -> Response:
     body = {"code": exc.code, "message": exc.message}
     if not isinstance(exc, Unauthorized):  # a 401 carries no detail (docs/api.md)
         body.update(exc.details)
@@ -47,14 +48,14 @@ def error_response(exc: RunstileError):
 
 def install(app: Flask) -> None:
     @app.errorhandler(RunstileError)
-    def _runstile(exc: RunstileError):
+    def _runstile(exc: RunstileError) -> Response:
         if isinstance(exc, LedgerUnavailable):
             log.warning("ledger unavailable: %s", exc.message)
             state().pool.discard()  # the connection may be broken; reopen next time
         return error_response(exc)
 
     @app.errorhandler(HTTPException)
-    def _http(exc: HTTPException):
+    def _http(exc: HTTPException) -> Response:
         known = _HTTP.get(exc.code or 500)
         if known is not None:
             cls, message = known
@@ -63,11 +64,11 @@ def install(app: Flask) -> None:
             err = RunstileError(exc.description or exc.name)
             err.code, err.status = (exc.name or "error").lower().replace(" ", "_"), exc.code or 500
             response = error_response(err)
-        if exc.code == 405 and exc.valid_methods:
+        if exc.code == 405 and isinstance(exc, HTTPMethodNotAllowed) and exc.valid_methods:
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
     @app.errorhandler(Exception)
-    def _unexpected(exc: Exception):
+    def _unexpected(exc: Exception) -> Response:
         log.exception("unexpected error")
         return error_response(RunstileError("an unexpected error occurred; it has been logged"))

@@ -24,8 +24,10 @@ import selectors
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from functools import partial
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, cast
 
 from gunicorn import http
 from gunicorn.http import errors as http_errors
@@ -43,6 +45,13 @@ from ..errors import (
 )
 from .request_reader import Refusal, RequestReader, Verdict
 from .worker_signals import FlagOnlySignals
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+    from gunicorn.http.message import Request
+    from gunicorn.sock import BaseSocket
 
 #: Largest head (request line and headers) the front buffers; runstile's API needs ~2 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -80,7 +89,7 @@ def error_bytes(error: RunstileError) -> bytes:
 class _BufferOnly(Unreader):
     """The parser's source: only what the event loop buffered, never the socket."""
 
-    def chunk(self, size_hint=None) -> bytes:
+    def chunk(self, size_hint: int | None = None) -> bytes:
         return b""
 
 
@@ -111,11 +120,11 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
-        self.wsgi = _mark_oversized(self.wsgi)
+        self.wsgi: WSGIApplication = _mark_oversized(self.wsgi)
 
     # -- reading requests in the event loop ------------------------------------------
 
-    def accept(self, listener) -> None:
+    def accept(self, listener: BaseSocket) -> None:
         try:
             client, addr = listener.accept()
         except OSError as exc:
@@ -129,7 +138,7 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
         conn.oversized = False
         self._wait_for_request(conn, b"", time.monotonic() + self.read_timeout_s)
 
-    def on_client_socket_readable(self, conn, client) -> None:
+    def on_client_socket_readable(self, conn: TConn, client: socket.socket) -> None:
         """A kept-alive connection has the start of its next request."""
         self.poller.unregister(client)
         self.keepalived_conns.remove(conn)
@@ -145,7 +154,7 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
         self.waiting[conn.sock.fileno()] = waiting
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._readable, waiting))
 
-    def _readable(self, waiting: _Waiting, sock) -> None:
+    def _readable(self, waiting: _Waiting, sock: socket.socket) -> None:
         data = _recv(sock)
         if data is None:
             return  # a spurious wake-up
@@ -209,21 +218,21 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
 
     # -- after a request thread is done ----------------------------------------------
 
-    def handle_request(self, req, conn):
+    def handle_request(self, req: Request, conn: TConn) -> bool:
         """In a request thread, with the whole request (or the head of an oversized one)."""
         _serving.oversized = conn.oversized
         if conn.oversized:
             # The rest of the body is still arriving: the answer says "Connection: close",
             # so the client does not send its next request on this connection.
             req.force_close()
-        return super().handle_request(req, conn)
+        return cast(bool, super().handle_request(req, conn))
 
-    def _keepalive_after(self, conn, keepalive):
+    def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         # A body over the limit is still arriving: the connection cannot carry another
         # request, and the rest is drained by the event loop, not by this thread.
-        return False if conn.oversized else super()._keepalive_after(conn, keepalive)
+        return False if conn.oversized else cast(bool, super()._keepalive_after(conn, keepalive))
 
-    def finish_request(self, conn, fs) -> None:
+    def finish_request(self, conn: TConn, fs: Future[Any]) -> None:
         """In the event loop: keep the connection for its next request, or close it."""
         try:
             keep = bool(fs.result()) if not fs.cancelled() else False
@@ -269,7 +278,8 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
         self.nr_conns -= 1
         conn.close()
 
-    def handle_error(self, req, client, addr, exc) -> None:
+    def handle_error(self, req: Request | None, client: socket.socket,
+                     addr: tuple[str, int] | str | None, exc: BaseException) -> None:
         """Requests gunicorn's parser refuses, in runstile's error shape (not HTML)."""
         for cls, error_cls in _PARSER_ERRORS:
             if isinstance(exc, cls):
@@ -287,7 +297,7 @@ def _describe(exc: BaseException) -> str:
     return f"the server could not parse the request: {text[:200]}"
 
 
-def _recv(sock) -> bytes | None:
+def _recv(sock: socket.socket) -> bytes | None:
     """Up to RECV_BYTES, b'' at the end of the stream (or a reset), None if none ready."""
     try:
         return sock.recv(RECV_BYTES)
@@ -297,7 +307,7 @@ def _recv(sock) -> bytes | None:
         return b""
 
 
-def _send_quietly(sock, data: bytes) -> None:
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
     """Best effort: a client that stopped reading forfeits the answer, not a thread."""
     try:
         sock.setblocking(False)
@@ -306,10 +316,10 @@ def _send_quietly(sock, data: bytes) -> None:
         pass
 
 
-def _mark_oversized(app):
+def _mark_oversized(app: WSGIApplication) -> WSGIApplication:
     """Tell the application (web/auth.py) that this request's body was not buffered
     because it is over the limit: it answers 413 once the key is known."""
-    def wsgi(environ, start_response):
+    def wsgi(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         environ["runstile.body_over_limit"] = getattr(_serving, "oversized", False)
         return app(environ, start_response)
     return wsgi

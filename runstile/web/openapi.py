@@ -10,12 +10,16 @@ route.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from .. import __version__
 from ..ledger.approvals import DECISIONS
 from ..ledger.states import RunStatus
 from ..netguard import MAX_URL_LENGTH
 from . import admission
+
+#: A JSON object of the document (a schema, a path item, an operation, a response...).
+JSONObject = dict[str, Any]
 
 _TEXT = {"type": "string"}
 _NULL_TEXT = {"type": ["string", "null"]}
@@ -26,17 +30,17 @@ _RUN_ID = {"type": "string", "pattern": f"^{admission.RUN_ID_PATTERN}$"}
 _STATUSES = [s.value for s in RunStatus]
 
 
-def _error(description: str) -> dict:
+def _error(description: str) -> JSONObject:
     return {"description": description,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
 
-def _json(ref: str, description: str) -> dict:
+def _json(ref: str, description: str) -> JSONObject:
     return {"description": description,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
 
 
-def _list_of(ref: str) -> dict:
+def _list_of(ref: str) -> JSONObject:
     """A page of a list route: ``{"object": "list", "data": [...], ...}``."""
     return {"type": "object", "required": ["object", "data", "has_more", "next_cursor"],
             "properties": {"object": {"const": "list"},
@@ -66,7 +70,7 @@ _AUTH_ERRORS = {"401": _error("missing, malformed, unknown or revoked key"),
 
 # -- components ---------------------------------------------------------------------
 
-def _error_schema() -> dict:
+def _error_schema() -> JSONObject:
     return {"type": "object", "required": ["error"],
             "properties": {"error": {
                 "type": "object", "required": ["code", "message"],
@@ -74,7 +78,7 @@ def _error_schema() -> dict:
             }}}
 
 
-def _run_create_schema() -> dict:
+def _run_create_schema() -> JSONObject:
     """The body of POST /v1/runs, with admission's limits (web/admission.py)."""
     properties = {
         "task": {"type": "string", "minLength": 1, "maxLength": admission.MAX_TASK_NAME,
@@ -99,7 +103,7 @@ def _run_create_schema() -> dict:
     return {"type": "object", "additionalProperties": False, "properties": properties}
 
 
-def _run_schema() -> dict:
+def _run_schema() -> JSONObject:
     return {
         "type": "object",
         "required": ["object", "id", "status", "task", "input", "created_at", "attempt"],
@@ -125,7 +129,7 @@ def _run_schema() -> dict:
     }
 
 
-def _event_schemas() -> dict:
+def _event_schemas() -> JSONObject:
     return {
         "Event": {
             "type": "object", "required": ["seq", "type", "data", "created_at"],
@@ -141,7 +145,7 @@ def _event_schemas() -> dict:
     }
 
 
-def _delivery_schema() -> dict:
+def _delivery_schema() -> JSONObject:
     return {
         "type": "object",
         "required": ["object", "id", "run_id", "kind", "type", "url", "state", "attempts"],
@@ -157,7 +161,7 @@ def _delivery_schema() -> dict:
     }
 
 
-def _schemas() -> dict:
+def _schemas() -> JSONObject:
     return {"Error": _error_schema(), "RunCreate": _run_create_schema(), "Run": _run_schema(),
             "RunList": _list_of("Run"), **_event_schemas(), "Delivery": _delivery_schema(),
             "DeliveryList": _list_of("Delivery"),
@@ -166,7 +170,7 @@ def _schemas() -> dict:
 
 # -- routes ---------------------------------------------------------------------------
 
-def _create_run() -> dict:
+def _create_run() -> JSONObject:
     return {
         "operationId": "createRun", "summary": "Admit a run (idempotent)",
         "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
@@ -188,12 +192,12 @@ def _create_run() -> dict:
     }
 
 
-def _query(name: str, schema: dict, description: str) -> dict:
+def _query(name: str, schema: JSONObject, description: str) -> JSONObject:
     return {"name": name, "in": "query", "required": False, "schema": schema,
             "description": description}
 
 
-def _list_parameters() -> list[dict]:
+def _list_parameters() -> list[JSONObject]:
     return [
         {"name": "status", "in": "query", "required": False, "style": "form", "explode": True,
          "schema": {"type": "array", "items": {"enum": _STATUSES}},
@@ -208,7 +212,7 @@ def _list_parameters() -> list[dict]:
     ]
 
 
-def _list_runs() -> dict:
+def _list_runs() -> JSONObject:
     return {
         "operationId": "listRuns", "summary": "List runs, newest first",
         "parameters": _list_parameters(),
@@ -221,7 +225,7 @@ def _list_runs() -> dict:
     }
 
 
-def _run_events() -> dict:
+def _run_events() -> JSONObject:
     return {
         "operationId": "runEvents",
         "summary": "A run's events: SSE by default, JSON with Accept: application/json",
@@ -248,7 +252,7 @@ def _run_events() -> dict:
     }
 
 
-def _run_paths() -> dict:
+def _run_paths() -> JSONObject:
     """Admitting, listing and reading runs, and a run's events."""
     return {
         "/v1/runs": {"post": _create_run(), "get": _list_runs()},
@@ -260,7 +264,7 @@ def _run_paths() -> dict:
     }
 
 
-def _decide_approval() -> dict:
+def _decide_approval() -> JSONObject:
     return {
         "operationId": "decideApproval",
         "summary": "Decide a pending approval: the first decision re-queues the run",
@@ -278,7 +282,7 @@ def _decide_approval() -> dict:
     }
 
 
-def _run_action_paths() -> dict:
+def _run_action_paths() -> JSONObject:
     """What a person does to a run: stop it, decide its approval, resume it."""
     return {
         "/v1/runs/{run_id}/stop": {"post": {
@@ -300,7 +304,7 @@ def _run_action_paths() -> dict:
     }
 
 
-def _delivery_paths() -> dict:
+def _delivery_paths() -> JSONObject:
     """A run's delivery obligations (webhooks), and settling one by hand."""
     return {
         "/v1/runs/{run_id}/deliveries": {"get": {
@@ -327,13 +331,13 @@ def _delivery_paths() -> dict:
     }
 
 
-def _any_object(description: str) -> dict:
+def _any_object(description: str) -> JSONObject:
     """A JSON object response this document does not describe field by field."""
     return {"description": description,
             "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _service_paths() -> dict:
+def _service_paths() -> JSONObject:
     """Recovery reports, capabilities, health, metrics and this document."""
     return {
         "/v1/recovery": {"get": {
@@ -364,7 +368,7 @@ def _service_paths() -> dict:
 
 
 @lru_cache(maxsize=1)
-def document() -> dict:
+def document() -> JSONObject:
     return {
         "openapi": "3.1.0",
         "info": {"title": "runstile", "version": __version__,

@@ -1,10 +1,12 @@
-"""/v1/runs: admission, reading and the event log (SPEC §3.1-§3.3)."""
+"""/v1/runs: admission, reading and the event log (docs/api.md, from "POST /v1/runs —
+admit a run" to "GET /v1/runs/{run_id}/events — the event log"), stop and resume."""
 
 from __future__ import annotations
 
 import base64
 import json
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 from flask import Blueprint, Response, jsonify, request
 
@@ -17,6 +19,10 @@ from ..objects import event_object, parse_rfc3339, run_object
 from . import admission, metrics, openapi, streams
 from .auth import authenticate, principal
 from .state import conn, state
+
+if TYPE_CHECKING:
+    from flask import Request
+    from werkzeug.local import LocalProxy
 
 blueprint = Blueprint("runs", __name__)
 
@@ -50,19 +56,21 @@ _compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
 
 
 @blueprint.post("/v1/runs")
-def create_run():
+def create_run() -> Response:
     started = time.perf_counter()
     outcome = "error"
     web = state()  # once: every flask proxy access costs a context lookup
     try:
         settings = web.settings
-        req, refusal = admission.build(request._get_current_object(), principal(),
+        # The request itself, not its proxy (``request`` is a LocalProxy at run time).
+        current = cast("LocalProxy[Request]", request)._get_current_object()
+        req, refusal = admission.build(current, principal(),
                                        settings=settings, task_names=web.task_names)
         admitted = admit(None, req, refusal=refusal, max_active_runs=settings.max_active_runs,
                          enqueue=dispatch.in_transaction_enqueue(settings),
                          committer=web.committer)
         crashpoints.hit(settings, "after_admit_commit")
-        if not admitted.replayed:
+        if not admitted.replayed and admitted.dispatch_id is not None:
             # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
             # the embedded broker, whose message committed with it).  Never raises: a
             # failed publish leaves the record unsent for recovery, and the 202 stands.
@@ -83,7 +91,7 @@ def create_run():
                     mimetype="application/json")
 
 
-def visible_run(run_id: str) -> dict:
+def visible_run(run_id: str) -> dict[str, Any]:
     run = runs.get_visible(conn(), principal(), run_id)
     if run is None:
         raise RunNotFound("no such run")
@@ -91,9 +99,10 @@ def visible_run(run_id: str) -> dict:
 
 
 @blueprint.post("/v1/runs/<run_id>/stop")
-def stop_run(run_id: str):
-    """SPEC §3.4: 200 when the run is settled (cancelled now, or already terminal), 202
-    while a running body is being stopped.  Repeats are harmless."""
+def stop_run(run_id: str) -> Response:
+    """200 when the run is settled (cancelled now, or already terminal), 202 while a
+    running body is being stopped.  Repeats are harmless (docs/api.md,
+    "POST /v1/runs/{run_id}/stop — stop a run")."""
     visible_run(run_id)
     stopped = execution.stop(conn(), run_id,
                              enqueue=dispatch.in_transaction_enqueue(state().settings))
@@ -114,8 +123,9 @@ def stop_run(run_id: str):
 
 
 @blueprint.post("/v1/runs/<run_id>/resume")
-def resume_run(run_id: str):
-    """SPEC §3.4: a person accepts the uncertainty of a paused run; it runs again."""
+def resume_run(run_id: str) -> Response:
+    """A person accepts the uncertainty of a paused run; it runs again (docs/api.md,
+    "POST /v1/runs/{run_id}/resume — resume a paused run")."""
     run = visible_run(run_id)
     resumed = execution.requeue(conn(), run_id, from_statuses=("paused",), reason="resumed",
                                 event_type="run.resumed",
@@ -128,7 +138,7 @@ def resume_run(run_id: str):
 
 
 @blueprint.get("/v1/runs/<run_id>")
-def get_run(run_id: str):
+def get_run(run_id: str) -> Response:
     return jsonify(run_object(visible_run(run_id)))
 
 
@@ -184,7 +194,7 @@ def _list_filter() -> runs.RunFilter:
 
 
 @blueprint.get("/v1/runs")
-def list_runs():
+def list_runs() -> Response:
     flt = _list_filter()
     limit = _whole_number(request.args.get("limit", "20"))
     if limit is None or not 1 <= limit <= 200:
@@ -219,7 +229,7 @@ def _wants_json() -> bool:
 
 
 @blueprint.get("/v1/runs/<run_id>/events")
-def run_events(run_id: str):
+def run_events(run_id: str) -> Response:
     visible_run(run_id)
     after = _after_param()
     if _wants_json():

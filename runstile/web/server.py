@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 from gunicorn.app.base import BaseApplication
 
@@ -18,6 +19,11 @@ from ..config import Settings, share_metrics_across_processes
 from ..filemodes import PRIVATE_UMASK
 from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
+
+if TYPE_CHECKING:
+    from flask import Flask
+    from gunicorn.arbiter import Arbiter
+    from gunicorn.workers.base import Worker
 
 
 def _bind(settings: Settings) -> str:
@@ -59,12 +65,12 @@ class _Gunicorn(BaseApplication):
         }.items():
             self.cfg.set(name, value)
 
-    def load(self):
+    def load(self) -> Flask:
         from . import create_app
         return create_app(self.settings, writer_socket=self.writer_socket,
                           metrics_dir=self.metrics_dir)
 
-    def _child_exit(self, server, worker) -> None:
+    def _child_exit(self, server: Arbiter, worker: Worker) -> None:
         from prometheus_client import multiprocess
         multiprocess.mark_process_dead(worker.pid, self.metrics_dir)
 

@@ -21,12 +21,12 @@ blueprint = Blueprint("service", __name__)
 
 
 @blueprint.get("/healthz")
-def healthz():
+def healthz() -> Response:
     return jsonify({"status": "ok"})
 
 
 @blueprint.get("/readyz")
-def readyz():
+def readyz() -> Response:
     checks = {"ledger": False, "migrated": False, "recovered": False}
     try:
         connection = conn()
@@ -45,19 +45,19 @@ def readyz():
 
 
 @blueprint.get("/metrics")
-def prometheus():
+def prometheus() -> Response:
     body, content_type = metrics.render(state().metrics_dir)
     return Response(body, content_type=content_type)
 
 
 @blueprint.get("/openapi.json")
-def openapi_document():
+def openapi_document() -> Response:
     authenticate()  # docs/api.md: only /healthz, /readyz and /metrics answer without a key
     return jsonify(openapi.document())
 
 
 @blueprint.get("/v1/recovery")
-def recovery_reports():
+def recovery_reports() -> Response:
     principal = authenticate()
     if not principal.is_admin:
         raise RouteNotFound("no route matches this path")  # no 403: admins only see it
@@ -71,7 +71,7 @@ def recovery_reports():
 
 
 @blueprint.get("/v1/capabilities")
-def capabilities():
+def capabilities() -> Response:
     authenticate()
     settings = state().settings
     return jsonify({

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import sqlite3
+from typing import TYPE_CHECKING
 
 from flask import current_app
 
+if TYPE_CHECKING:
+    from . import WebState
 
-def state():
-    return current_app.extensions["runstile"]
+
+def state() -> WebState:
+    web: WebState = current_app.extensions["runstile"]
+    return web
 
 
 def conn() -> sqlite3.Connection:

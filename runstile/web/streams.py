@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 from flask import Response
 
@@ -110,7 +111,8 @@ def open_stream(run_id: str, after: int, key_id: str) -> Response:
     return response
 
 
-def _frames(run_id: str, after: int, slot: Slot, settings: Settings, pool: ConnectionPool):
+def _frames(run_id: str, after: int, slot: Slot, settings: Settings,
+            pool: ConnectionPool) -> Iterator[str]:
     try:
         last, deadline = after, time.monotonic() + settings.stream_max_s
         quiet_since = time.monotonic()

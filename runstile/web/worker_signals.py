@@ -18,9 +18,18 @@ from __future__ import annotations
 import os
 import selectors
 import sys
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # To the type checker the mixin is a gthread worker, so that what it uses of one
+    # (and its super() calls) are known; at run time it derives from object only.
+    from gunicorn.workers.gthread import ThreadWorker as _Worker
+else:
+    _Worker = object
 
 
-class FlagOnlySignals:
+class FlagOnlySignals(_Worker):
     """Mixin for a gthread worker class (put it first among the bases): web/gthread.py's
     ``BufferingThreadWorker`` is the one ``serve`` uses."""
 
@@ -33,14 +42,16 @@ class FlagOnlySignals:
         # arrives, so the loop wakes at once instead of at its next timeout.
         self.poller.register(self.PIPE[0], selectors.EVENT_READ, self._woken)
 
-    def handle_exit(self, sig, frame) -> None:  # SIGTERM: finish what is in flight
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # SIGTERM: finish what is in flight
         self.alive = False
 
-    def handle_quit(self, sig, frame) -> None:  # SIGINT, SIGQUIT: leave now
+    def handle_quit(self, sig: int, frame: FrameType | None) -> None:
+        # SIGINT, SIGQUIT: leave now
         self.alive = False
         self.quitting = True
 
-    def _woken(self, fileobj) -> None:
+    def _woken(self, fileobj: int) -> None:
         # Empty the (non-blocking) pipe; the flags say what to do.
         try:
             while os.read(self.PIPE[0], 512):

@@ -1,8 +1,9 @@
 """The one Dramatiq actor: claim, then run the task body, then record the outcome.
 
-Thin on purpose (DESIGN §1).  The claim is the gate of at-most-once execution: a
-message whose claim loses — a duplicate, a redelivery, a run already finished or
-stopped — is acknowledged as a logged no-op, and the body never starts.
+Thin on purpose (docs/architecture.md, "Worker processes").  The claim is the gate of
+at-most-once execution: a message whose claim loses — a duplicate, a redelivery, a run
+already finished or stopped — is acknowledged as a logged no-op, and the body never
+starts.
 """
 
 from __future__ import annotations
@@ -17,15 +18,24 @@ import time
 import dramatiq
 
 from .. import crashpoints, dispatch
+from .. import tasks as registry
 from ..config import Settings
 from ..errors import LedgerUnavailable, RunstileError
 from ..jsondepth import MAX_DEPTH
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
-from .. import tasks as registry
-from .context import (ApprovalParked, Interrupt, LeaseLostInterrupt, PausedInterrupt,
-                      ResultTooDeep, RunContext, Stopped, TimeLimitInterrupt, encode_json)
+from .context import (
+    ApprovalParked,
+    Interrupt,
+    LeaseLostInterrupt,
+    PausedInterrupt,
+    ResultTooDeep,
+    RunContext,
+    Stopped,
+    TimeLimitInterrupt,
+    encode_json,
+)
 from .lease import Executions
 
 log = logging.getLogger("runstile.workers")
@@ -77,6 +87,7 @@ class Executor:
 
     def _execute(self, run: dict, owner: Owner, conn) -> None:
         spec = registry.get(run["task"])
+        assert spec is not None  # the claim refuses a run of a task not registered here
         item = self.executions.begin(run["id"], owner, spec.time_limit_s)
         outcome: dict | None = None
         try:
@@ -153,10 +164,10 @@ class Executor:
                 run["profile_id"], run["key_id"], run["session_key"]))
 
     def _retry(self, run: dict, owner: Owner, spec: registry.TaskSpec, outcome: dict) -> bool:
-        """SPEC §5 task retries: a raising body with retries left is re-queued with
-        attempt + 1 after retry_backoff_s — a ledger transition (with a delayed message),
-        never Dramatiq's Retries.  ``attempt`` counts every execution of the run, so a
-        run re-queued by recovery has used one of its tries as well."""
+        """Task retries (docs/tasks.md, "Registering a task"): a raising body with retries
+        left is re-queued with attempt + 1 after retry_backoff_s — a ledger transition
+        (with a delayed message), never Dramatiq's Retries.  ``attempt`` counts every
+        execution of the run, so a run re-queued by recovery has used one of its tries."""
         if outcome.get("error_code") not in ("task_error",) or run["attempt"] > spec.retries:
             return False
         try:
@@ -230,5 +241,5 @@ def declare(broker: dramatiq.Broker, executor: Executor) -> dramatiq.Actor:
     def runstile_execute(run_id: str, dispatch_id: int | None = None) -> None:
         executor(run_id, dispatch_id)
 
-    return dramatiq.actor(runstile_execute, actor_name=dispatch.ACTOR, queue_name=dispatch.QUEUE,
-                          broker=broker)
+    return dramatiq.actor(actor_name=dispatch.ACTOR, queue_name=dispatch.QUEUE,
+                          broker=broker)(runstile_execute)

@@ -1,4 +1,5 @@
-"""RunContext: what a task body sees (SPEC §5), and the interrupts that unwind a body.
+"""RunContext: what a task body sees (docs/tasks.md, "RunContext"), and the interrupts
+that unwind a body (docs/tasks.md, "Interrupts").
 
 Every journaled call (``step``, ``emit``, ``deliver``, ``request_approval``) takes the next call position; when a body runs
 again for the same run, a position already in the journal is replayed from it instead
@@ -11,17 +12,19 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import rfc8785
 
-from ..errors import InvalidCallbackUrl, LeaseLost, RunStopping, RunstileError
+from ..errors import InvalidCallbackUrl, LeaseLost, RunstileError, RunStopping
 from ..jsondepth import MAX_DEPTH, text_too_deep
 from ..ledger import approvals, execution, journal
 from ..ledger.execution import Owner
 from ..netguard import callback_refusal
 
-#: Largest event payload a task may emit, in bytes of JSON (SPEC §3.3).
+#: Largest event payload a task may emit, in bytes of JSON (docs/tasks.md,
+#: "ctx.emit(type, data=None)").
 MAX_EVENT_DATA_BYTES = 64 * 1024
 #: Event type prefixes only runstile writes (``run.progress`` excepted).
 RESERVED_PREFIXES = ("run.", "approval.", "delivery.")
@@ -109,7 +112,7 @@ class RunContext:
                  lease_lost: Callable[[], bool] = lambda: False,
                  on_step_started: Callable[[], None] = lambda: None,
                  enqueue=None, allowlist: tuple[str, ...] = (),
-                 on_delivery: Callable[[], None] = lambda: None,
+                 on_delivery: Callable[[], object] = lambda: None,
                  max_payload_bytes: int = 1024 * 1024) -> None:
         self.run_id: str = run["id"]
         self.attempt: int = run["attempt"]
@@ -189,8 +192,9 @@ class RunContext:
     # ------------------------------------------------------------ deliver
 
     def deliver(self, url: str, payload: Any) -> str:
-        """Promise to POST ``payload`` to ``url`` (SPEC §7): a durable obligation, signed
-        and retried until delivered or parked, even if this process dies right after.
+        """Promise to POST ``payload`` to ``url`` (docs/tasks.md, "Deliveries"): a durable
+        obligation, signed and retried until delivered or parked, even if this process
+        dies right after.
         Returns its delivery id (the ``webhook-id``).  On a re-run body the call is
         replayed from the journal: the same id, no second obligation."""
         if not isinstance(url, str):
@@ -206,7 +210,7 @@ class RunContext:
         if entry is not None:
             if (entry.kind, entry.args_hash) != ("deliver", digest):
                 self._replay_mismatch(position, entry, "deliver", url)
-            return json.loads(entry.result)
+            return json.loads(cast(str, entry.result))  # recorded with its delivery id
         try:
             delivery_id = journal.record_deliver(self._conn, self.run_id, self._owner,
                                                  position=position, url=url,
@@ -221,7 +225,7 @@ class RunContext:
     # ------------------------------------------------------------ approvals
 
     def request_approval(self, details: Any = None) -> bool:
-        """Ask a person (SPEC §5).  The first time, the run parks in
+        """Ask a person (docs/tasks.md, "RunContext").  The first time, the run parks in
         ``waiting_for_approval`` and the body stops here; after the decision the body
         runs again and this call returns True (approve) or False (deny)."""
         encoded = _payload_json(details, "approval details", MAX_EVENT_DATA_BYTES)
@@ -263,17 +267,9 @@ class RunContext:
             if (entry.kind, entry.name, entry.args_hash) != ("step", name, digest):
                 self._replay_mismatch(position, entry, "step", name)
             if entry.state == "completed":
-                return json.loads(entry.result)
-        try:
-            # Fenced on the lease: a worker that lost the run cannot start a step.
-            journal.start_step(self._conn, self.run_id, self._owner, position=position,
-                               name=name, args_hash=digest, idempotent=idempotent,
-                               restart=entry is not None)
-        except LeaseLost:
-            raise LeaseLostInterrupt(self.run_id) from None
-        except RunStopping:
-            raise Stopped(self.run_id) from None
-        self._on_step_started()
+                return json.loads(cast(str, entry.result))  # completed with its result
+        self._start_step(position, name, digest, idempotent=idempotent,
+                         restart=entry is not None)
         try:
             result = fn(*args, **kwargs)
             result_json = encode_json(result)
@@ -296,6 +292,19 @@ class RunContext:
                                    state="completed", result_json=result_json):
             raise LeaseLostInterrupt(self.run_id)
         return json.loads(result_json)
+
+    def _start_step(self, position: int, name: str, digest: str, *, idempotent: bool,
+                    restart: bool) -> None:
+        try:
+            # Fenced on the lease: a worker that lost the run cannot start a step.
+            journal.start_step(self._conn, self.run_id, self._owner, position=position,
+                               name=name, args_hash=digest, idempotent=idempotent,
+                               restart=restart)
+        except LeaseLost:
+            raise LeaseLostInterrupt(self.run_id) from None
+        except RunStopping:
+            raise Stopped(self.run_id) from None
+        self._on_step_started()
 
     def _settle(self, position: int, state: str, detail: dict) -> None:
         journal.settle_step(self._conn, self.run_id, self._owner, position=position,

@@ -131,5 +131,5 @@ def declare(broker: dramatiq.Broker, deliverer: Deliverer) -> dramatiq.Actor:
     def runstile_deliver(obligation_id: str) -> None:
         deliverer(obligation_id)
 
-    return dramatiq.actor(runstile_deliver, actor_name=dispatch.DELIVER_ACTOR,
-                          queue_name=dispatch.QUEUE, broker=broker)
+    return dramatiq.actor(actor_name=dispatch.DELIVER_ACTOR, queue_name=dispatch.QUEUE,
+                          broker=broker)(runstile_deliver)

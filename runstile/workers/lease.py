@@ -1,5 +1,6 @@
-"""One heartbeat per process (SPEC §5): renews every lease it holds in one UPDATE,
-interrupts bodies whose lease was lost, and enforces task time limits.
+"""One heartbeat per process (docs/tasks.md, "Time limits, leases and the heartbeat"):
+renews every lease it holds in one UPDATE, interrupts bodies whose lease was lost, and
+enforces task time limits.
 
 Interrupting a thread means raising an exception in it asynchronously (as Dramatiq's
 TimeLimit does).  The danger is hitting a thread that has already moved on to another

@@ -1,4 +1,5 @@
-"""POST /v1/runs against a real server on loopback and a real ledger (SPEC §3.1)."""
+"""POST /v1/runs against a real server on loopback and a real ledger
+(docs/api.md, "`POST /v1/runs` — admit a run")."""
 
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ def _assert_invisible(api: Api, rid: str) -> None:
     events = api.get(f"/v1/runs/{rid}/events", headers={"Accept": "application/json"})
     assert events.status_code == 404 and error_code(events) == "run_not_found"
     assert rid not in api.get("/v1/runs", params={"limit": 200}).text
-    # stop (SPEC §3.4) is not routed yet; it must not reveal the run either.
+    # stop (docs/api.md, "`POST /v1/runs/{run_id}/stop` — stop a run") must not reveal the
+    # run either.
     assert api.post(f"/v1/runs/{rid}/stop").status_code == 404
 
 
@@ -242,7 +244,8 @@ def test_a_derived_key_conflict_says_run_id_conflict(api):
     assert error_code(clash) == "run_id_conflict"
 
 
-# ---------------------------------------------------------------- tombstones (SPEC §8)
+# ---------------------------------------------------------------- tombstones
+# docs/api.md, "Reservation" (the 410 rows), and docs/operations.md, "Retention".
 
 def _purge(ledger, rid: str) -> None:
     """Edit the ledger into "this run ended long ago", then run one retention batch."""

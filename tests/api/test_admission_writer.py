@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-
 from tests.conftest import Api, Server, wait_for_writer, wait_until, writer_socket
 
 
@@ -115,7 +114,7 @@ def test_admissions_go_on_while_the_writer_is_killed_again_and_again(make_server
         try:
             for _ in range(10):
                 count = len(acknowledged)
-                wait_until(lambda: admitted_more(count), 30, 0.01,
+                wait_until(lambda count=count: admitted_more(count), 30, 0.01,
                            "admissions between two kills")
                 os.kill(writers[-1], signal.SIGKILL)
                 writers.append(wait_for_writer(server, previous=writers[-1]))

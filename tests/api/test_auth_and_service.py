@@ -1,4 +1,9 @@
-"""Bearer keys (SPEC §3 auth) and the service routes (SPEC §3.5)."""
+"""Bearer keys and the service routes.
+
+See docs/api.md, "Authentication", and the service routes' sections of docs/api.md:
+"`GET /v1/capabilities`", "`GET /healthz`", "`GET /readyz`", "`GET /metrics`" and
+"`GET /openapi.json`".
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Isolation replayed over every object URL (SPEC §1 key roles, §2.6, issue #7).
+"""Isolation replayed over every object URL (key roles: docs/api.md, "Authentication";
+docs/guarantees.md, "6. Isolation"; issue #7).
 
 One client key makes objects of every kind and in every state a run can be left in
 without a worker: runs (queued, running, waiting for approval, paused, completed,
@@ -110,9 +111,11 @@ def world(shared_server, shared_ledger):
                                                          "uncertain_side_effect"))
     completed = _claimed(owner, world, "completed")
     for position, name in enumerate(("pending", "parked"), start=1):
-        world.deliveries[name] = _transition(ledger, lambda c: journal.record_deliver(
-            c, completed, OWNER, position=position, url="https://hooks.example/deliver",
-            payload_json=json.dumps({"secret": SECRET}), args_hash=f"d{position}"))
+        def record(c, position=position):
+            return journal.record_deliver(
+                c, completed, OWNER, position=position, url="https://hooks.example/deliver",
+                payload_json=json.dumps({"secret": SECRET}), args_hash=f"d{position}")
+        world.deliveries[name] = _transition(ledger, record)
     assert _transition(ledger, lambda c: execution.finish(
         c, completed, OWNER, status="completed", result_json=json.dumps({"secret": SECRET})))
 

@@ -1,4 +1,8 @@
-"""GET /v1/runs, /v1/runs/<id> and the event log, with key isolation (SPEC §2.6, §3.2, §3.3)."""
+"""GET /v1/runs, /v1/runs/<id> and the event log, with key isolation.
+
+See docs/api.md, "`GET /v1/runs/{run_id}` — read one run", "`GET /v1/runs` — list runs"
+and "`GET /v1/runs/{run_id}/events` — the event log"; docs/guarantees.md, "6. Isolation".
+"""
 
 from __future__ import annotations
 
@@ -82,7 +86,8 @@ def test_pages_never_repeat_or_skip_under_concurrent_inserts(api):
 def test_filters_by_status_task_session_and_metadata(api):
     a = api.post_run({"task": "echo", "session_key": "sess-a", "metadata": {"env": "prod"}})
     b = api.post_run({"task": "progress", "session_key": "sess-b", "metadata": {"env": "dev"}})
-    ids = lambda params: [r["id"] for r in api.get("/v1/runs", params=params).json()["data"]]
+    def ids(params):
+        return [r["id"] for r in api.get("/v1/runs", params=params).json()["data"]]
     assert ids({"task": "progress"}) == [b.json()["id"]]
     assert ids({"session_key": "sess-a"}) == [a.json()["id"]]
     assert ids({"metadata.env": "prod"}) == [a.json()["id"]]
@@ -105,7 +110,8 @@ def test_created_after_and_before_filter_by_time(api):
     moment = dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
     earlier = (moment - dt.timedelta(seconds=1)).isoformat()
     later = (moment + dt.timedelta(seconds=1)).isoformat()
-    got = lambda params: [r["id"] for r in api.get("/v1/runs", params=params).json()["data"]]
+    def got(params):
+        return [r["id"] for r in api.get("/v1/runs", params=params).json()["data"]]
     assert rid in got({"created_after": earlier, "created_before": later})
     assert rid not in got({"created_after": later})
     assert rid not in got({"created_before": earlier})
@@ -128,7 +134,8 @@ def test_a_client_key_lists_only_its_own_runs_and_an_admin_key_its_profile(share
     outsider = Api(shared_server, shared_ledger.key("iso-other", admin=True), shared_ledger)
     my_id = mine.post_run({"task": "echo"}).json()["id"]
     their_id = theirs.post_run({"task": "echo"}).json()["id"]
-    listed = lambda a: {r["id"] for r in a.get("/v1/runs", params={"limit": 200}).json()["data"]}
+    def listed(a):
+        return {r["id"] for r in a.get("/v1/runs", params={"limit": 200}).json()["data"]}
     assert listed(mine) == {my_id}
     assert listed(theirs) == {their_id}
     assert {my_id, their_id} <= listed(admin)

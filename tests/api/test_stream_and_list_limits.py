@@ -10,7 +10,6 @@ import time
 import requests
 
 from runstile.ledger import db, events
-
 from tests.conftest import Api, wait_until
 
 

@@ -8,7 +8,6 @@ import os
 import time
 
 import runstile
-
 from tests.workers.exec_tasks import log_line
 
 

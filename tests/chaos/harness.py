@@ -14,8 +14,9 @@ after the system has quiesced and one recovery pass ran, and counts, Jepsen
   ``run.resumed`` and ``approval.resolved`` events), a start without a ``run.started``
   event, or a step function executed more often than the journal started it;
 - stranded: ``queued``, ``running`` or ``stopping`` after quiesce and recovery;
-- lifecycle: a run whose ``run.*`` events do not walk SPEC §4's lifecycle, whose last
-  status differs from the row, or that has more than one terminal event;
+- lifecycle: a run whose ``run.*`` events do not walk the lifecycle of
+  docs/architecture.md, "Run lifecycle", whose last status differs from the row, or that
+  has more than one terminal event;
 - undelivered: obligations neither delivered nor parked.
 """
 
@@ -82,7 +83,7 @@ class Clients:
     _workers: list = field(default_factory=list)
     _done: list = field(default_factory=list)
 
-    def start(self) -> "Clients":
+    def start(self) -> Clients:
         for n in range(self.threads):
             thread = threading.Thread(target=self._loop, args=(n,), daemon=True)
             thread.start()
@@ -166,7 +167,9 @@ class Report:
                 f"statuses={self.statuses}")
 
 
-#: The status each run.* event leaves the run in (SPEC §4 "Events").
+#: The status each run.* event leaves the run in (the events of
+#: docs/api.md, "`GET /v1/runs/{run_id}/events` — the event log", on the edges of
+#: docs/architecture.md, "Run lifecycle").
 EVENT_STATUS = {"run.queued": "queued", "run.started": "running", "run.requeued": "queued",
                 "run.resumed": "queued", "approval.resolved": "queued",
                 "approval.requested": "waiting_for_approval", "run.paused": "paused",
@@ -237,7 +240,7 @@ def check(ledger_path: Path, history: History, execution_log: Path) -> Report:
         if not path or path[0] != "queued":
             problem = f"starts with {path[:1]}"
         else:
-            for a, b in zip(path, path[1:]):
+            for a, b in zip(path, path[1:], strict=False):
                 if not can_transition(a, b):
                     problem = f"{a} -> {b}"
                     break

@@ -199,10 +199,11 @@ def test_a_zombie_worker_cannot_start_a_step_or_record_an_outcome_after_its_leas
         os.kill(pid, signal.SIGCONT)
         time.sleep(3)  # the zombie wakes, heartbeats nothing, and tries to go on
         lines = log.read_text().splitlines()
-        zombie_steps = [l for l in lines if l.startswith(f"step {rid}") and
-                        l.endswith(f" {pid}")]
+        zombie_steps = [line for line in lines if line.startswith(f"step {rid}") and
+                        line.endswith(f" {pid}")]
         assert len(zombie_steps) == stopped_at, "the zombie started a step after waking"
-        assert not any(l.startswith(f"end {rid}") and l.endswith(f" {pid}") for l in lines)
+        assert not any(line.startswith(f"end {rid}") and line.endswith(f" {pid}")
+                       for line in lines)
         run = ledger.query("SELECT status, attempt, owner_node FROM runs WHERE id = ?", (rid,))
         assert tuple(run[0]) == ("completed", 2, "node-r"), run
         assert ledger.query("SELECT COUNT(*) FROM events WHERE run_id = ? AND type = "

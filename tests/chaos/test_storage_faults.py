@@ -22,8 +22,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import requests
@@ -32,8 +32,16 @@ from runstile.ledger import migrations
 from runstile.workers.context import args_hash
 from tests.chaos.harness import Clients, History, check, quiesce, scaled, write_table
 from tests.chaos.test_chaos import CHAOS_TASKS, ENV, body_for, recover
-from tests.conftest import (ROOT, Ledger, Server, Workers, child_pids, fill, wait_for_writer,
-                            wait_until)
+from tests.conftest import (
+    ROOT,
+    Ledger,
+    Server,
+    Workers,
+    child_pids,
+    fill,
+    wait_for_writer,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -102,8 +110,8 @@ def db_check(ledger: Ledger) -> subprocess.CompletedProcess:
 
 
 def half_written(ledger: Ledger) -> dict:
-    """Admissions that committed only in part (SPEC §2.1: run, key, dispatch and the
-    run.queued event commit together): each count must be 0."""
+    """Admissions that committed only in part (run, key, dispatch and the run.queued event
+    commit together: docs/guarantees.md, "1. Durable admission"): each count must be 0."""
     def count(sql: str) -> int:
         return ledger.query(sql)[0][0]
     return {name: n for name, n in {
@@ -181,18 +189,20 @@ def test_a_full_disk_under_load_answers_503_loses_nothing_and_service_resumes_wi
     try:
         for _ in range(fills):
             acknowledged = len(history.by_phase("ok"))
-            wait_until(lambda: len(history.by_phase("ok")) >= acknowledged + 20, 60, 0.05,
+            wait_until(lambda acknowledged=acknowledged:
+                       len(history.by_phase("ok")) >= acknowledged + 20, 60, 0.05,
                        "admissions with free space")
             refused_before = refusals.unavailable
             filler = fill(tiny_disk)
             # Keep the disk full until admissions are refused for a while.
-            wait_until(lambda: refusals.unavailable >= refused_before + 10, 60, 0.05,
+            wait_until(lambda refused_before=refused_before:
+                       refusals.unavailable >= refused_before + 10, 60, 0.05,
                        "503 answers while the disk is full")
             time.sleep(scaled(1, 3))
             filler.unlink()
             freed = time.monotonic()
             # The same processes answer 202 again: no restart.
-            wait_until(lambda: refusals.last_202 > freed, 30, 0.05,
+            wait_until(lambda freed=freed: refusals.last_202 > freed, 30, 0.05,
                        "a 202 after the space came back")
     finally:
         clients.stop()
@@ -281,7 +291,7 @@ def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_
             trace = tmp_path / f"strace-{number}-{name}-{nth}.txt"
             tracer = inject(pid, syscalls, errno, nth, trace)
             try:
-                wait_until(lambda: "INJECTED" in trace.read_text(), 60, 0.02,
+                wait_until(lambda trace=trace: "INJECTED" in trace.read_text(), 60, 0.02,
                            f"strace to inject {name} at call {nth}")
                 if nth.endswith("+"):
                     time.sleep(0.5)
@@ -291,7 +301,7 @@ def test_fsync_and_write_errors_injected_with_strace_never_acknowledge_a_failed_
             injected += trace.read_text().count("INJECTED")
             # The process that met the fault commits again, without a restart.
             detached = time.monotonic()
-            wait_until(lambda: refusals.last_202 > detached, 30, 0.02,
+            wait_until(lambda detached=detached: refusals.last_202 > detached, 30, 0.02,
                        f"a 202 from the web process after {name} at call {nth}")
             # Then restart it (SIGKILL; serve starts a new one): the new process reads
             # the ledger from the files alone, and must find every acknowledged run.
@@ -543,7 +553,8 @@ def test_a_wal_with_a_torn_or_garbage_tail_keeps_every_run_committed_before_it(
         web = Server(ledger.data_dir, ENV, web_workers=2).start()
         try:
             clients = Clients(web.url, key.secret, history, make, threads=4).start()
-            wait_until(lambda: len(history.by_phase("ok")) >= scaled(60, 200) // round_ ** 2,
+            wait_until(lambda history=history, round_=round_:
+                       len(history.by_phase("ok")) >= scaled(60, 200) // round_ ** 2,
                        60, 0.02, "admissions")
             clients.stop()
         finally:

@@ -1,5 +1,7 @@
-"""SIGKILL at named crash points in real processes, restart, and check the §6.3 outcome
-against an external execution log: nothing is re-executed blindly (SPEC §2.3, §6.3)."""
+"""SIGKILL at named crash points in real processes, restart, and check the outcome the
+classification table gives (docs/tasks.md, "When the worker is gone") against an external
+execution log: nothing is re-executed blindly (docs/guarantees.md, "3. At-most-once
+execution")."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 import pytest
 
 from runstile.ledger import migrations
-from tests.conftest import Api, Ledger, ROOT, System, wait_for_status
+from tests.conftest import ROOT, Api, Ledger, System, wait_for_status
 from tests.recovery.test_recovery import crashed_run
 
 #: point -> task -> (final status, attempt, starts logged, side-effect calls logged)
@@ -25,8 +27,8 @@ EXPECTED = {
 
 
 def lines(log, prefix, rid):
-    return [l for l in (log.read_text().splitlines() if log.exists() else [])
-            if l.startswith(f"{prefix} {rid}")]
+    return [line for line in (log.read_text().splitlines() if log.exists() else [])
+            if line.startswith(f"{prefix} {rid}")]
 
 
 @pytest.mark.parametrize("task", ["t.crash_default", "t.crash_resume"])

@@ -1,6 +1,7 @@
-"""Recovery (SPEC §6): every row of the §6.3 table, idempotence, the barrier, drain and
-resume — by editing the ledger into a crashed state and sweeping once, and by SIGKILLing
-a real ``runstile up`` and starting it again."""
+"""Recovery (docs/operations.md, "Recovery"): every row of the classification table
+(docs/tasks.md, "When the worker is gone"), idempotence, the barrier, drain and resume — by
+editing the ledger into a crashed state and sweeping once, and by SIGKILLing a real
+``runstile up`` and starting it again."""
 
 from __future__ import annotations
 
@@ -12,16 +13,24 @@ import subprocess
 import sys
 import time
 
-
+from runstile import tasks as registry
 from runstile.config import Settings
 from runstile.errors import LedgerUnavailable
-from runstile.ledger import (admission, db, events, execution, journal, maintenance,
-                             migrations, nodes, recovery as ledger_recovery)
+from runstile.ledger import (
+    admission,
+    db,
+    events,
+    execution,
+    journal,
+    maintenance,
+    migrations,
+    nodes,
+)
+from runstile.ledger import recovery as ledger_recovery
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.recovery import reconcile
-from runstile import tasks as registry
-from tests.conftest import Api, ROOT, wait_for_status, wait_until
+from tests.conftest import ROOT, Api, wait_for_status, wait_until
 
 registry.load(("tests.workers.exec_tasks",))
 
@@ -371,8 +380,8 @@ def test_sigkill_of_the_whole_node_then_restart_applies_on_crash_policies(make_s
     log = tmp_path / "executions.log"
     ids = {task: api.post_run({"task": task, "input": {"log": str(log)}}).json()["id"]
            for task in ("t.hold", "t.hold_resume", "t.hold_pause", "t.side_effect")}
-    wait_until(lambda: sum(l.startswith("start") for l in read_log(log)) == 4
-               and any(l.startswith("charge") for l in read_log(log)), 30, 0.05,
+    wait_until(lambda: sum(line.startswith("start") for line in read_log(log)) == 4
+               and any(line.startswith("charge") for line in read_log(log)), 30, 0.05,
                "all four bodies running")
     system.kill(signal.SIGKILL)  # the whole tree, mid-run: no drain, no goodbye
     assert all(status(ledger, rid)[0] == "running" for rid in ids.values())
@@ -397,7 +406,7 @@ def test_sigkill_of_the_whole_node_then_restart_applies_on_crash_policies(make_s
                                         headers={"Accept": "application/json"}).json()["data"]]
     assert types.index("run.requeued") < len(types) - 1 - types[::-1].index("run.started")
     # The uncertain side effect ran once; nothing re-ran it blindly.
-    charges = [l for l in read_log(log) if l.startswith(f"charge {ids['t.side_effect']}")]
+    charges = [line for line in read_log(log) if line.startswith(f"charge {ids['t.side_effect']}")]
     assert charges == [f"charge {ids['t.side_effect']} 1"]
     # A person accepts the uncertainty: the step runs again, journaled as a new start.
     response = api.post(f"/v1/runs/{ids['t.side_effect']}/resume")
@@ -417,7 +426,7 @@ def test_sigterm_drains_within_the_timeout_and_the_next_boot_requeues(make_syste
     api = Api(system, ledger.key(), ledger)
     log = tmp_path / "executions.log"
     rid = api.post_run({"task": "t.hold", "input": {"log": str(log), "ticks": 400}}).json()["id"]
-    wait_until(lambda: any(l.startswith("start") for l in read_log(log)), 30, 0.05, "a start")
+    wait_until(lambda: any(line.startswith("start") for line in read_log(log)), 30, 0.05, "a start")
     began = time.monotonic()
     os.killpg(system.proc.pid, signal.SIGTERM)
     system.proc.wait(timeout=30)
@@ -428,4 +437,4 @@ def test_sigterm_drains_within_the_timeout_and_the_next_boot_requeues(make_syste
     system.start()
     run = wait_for_status(api, rid, statuses=("running", "completed"), timeout_s=15)
     assert run["attempt"] == 2 and run["recovery"]["reason"] == "drained"
-    assert [l.split()[2] for l in read_log(log) if l.startswith("start")] == ["1", "2"]
+    assert [line.split()[2] for line in read_log(log) if line.startswith("start")] == ["1", "2"]

@@ -1,5 +1,6 @@
 """Admissions written together (ledger.admission.reserve_many, one group commit) get exactly the
-answers and rows they would get one after another (SPEC §3.1)."""
+answers and rows they would get one after another (docs/api.md, "Reservation";
+docs/architecture.md, "The writer gate and group commit")."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import secrets
 import pytest
 
 from runstile import dispatch
-from runstile.errors import (CapacityExceeded, IdempotencyKeyConflict, InvalidCallbackUrl,
-                             RunIdConflict)
+from runstile.errors import (
+    CapacityExceeded,
+    IdempotencyKeyConflict,
+    InvalidCallbackUrl,
+    RunIdConflict,
+)
 from runstile.ledger import admission, db, group_commit, keys, migrations
 from runstile.ledger.keys import Principal
 

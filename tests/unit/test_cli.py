@@ -7,7 +7,6 @@ import sqlite3
 import subprocess
 import sys
 
-
 from runstile.cli import main
 
 

@@ -68,7 +68,8 @@ def test_an_invalid_value_is_refused_naming_the_variable(name, value):
                                  "amqp://guest:guest@127.0.0.1:5672/%2F",
                                  "amqps://mq.internal", "amqp://a:5672;amqp://b:5672"])
 def test_redis_and_rabbitmq_urls_are_accepted(url):
-    # Published to after commit and re-published by recovery (SPEC §5 "Brokers").
+    # Published to after commit and re-published by recovery (docs/architecture.md,
+    # "Redis and RabbitMQ").
     assert Settings.from_env({"RUNSTILE_BROKER_URL": f" {url} "}).broker_url == url
 
 

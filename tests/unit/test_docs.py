@@ -1,4 +1,4 @@
-"""The docs/ folder stays in step with the code (DESIGN §3, "docs tested").
+"""The docs/ folder stays in step with the code (docs/architecture.md, "Rules the tests keep").
 
 Every expectation is derived from the code itself: the settings from ``Settings()`` and
 ``ENV_VARIABLES``, the commands by walking the click group, the error codes from

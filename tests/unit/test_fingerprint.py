@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import rfc8785
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runstile.fingerprint import FIELDS, NotCanonicalisable, canonical
 

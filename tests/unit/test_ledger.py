@@ -10,7 +10,7 @@ import pytest
 from runstile.errors import LedgerCorrupt, LedgerUnavailable
 from runstile.fingerprint import fingerprint
 from runstile.ledger import db, migrations
-from runstile.ledger.states import RunStatus, TERMINAL, can_transition
+from runstile.ledger.states import TERMINAL, RunStatus, can_transition
 from runstile.netguard import callback_refusal
 from tests.conftest import bare_ledger
 
@@ -21,6 +21,7 @@ def _migrate_together(path: str, barrier, results) -> None:
         results.put(migrations.migrate(__import__("pathlib").Path(path)))
     except Exception as exc:  # reported to the test, which fails on it
         results.put(repr(exc))
+        raise
 
 
 def test_migrations_from_several_processes_apply_once(tmp_path):

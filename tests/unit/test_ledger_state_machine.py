@@ -4,11 +4,14 @@ Admissions (keys, client run ids, sessions, callbacks, capacity), claims by owne
 generations and nodes, heartbeats, outcomes, stops, pauses, retries, /resume, approval
 requests and decisions, journaled steps, drains, leases that lapse (moved into the past in
 SQL, to simulate time), node boots and recovery passes (``reconcile.run_pass``), in any
-order, on a real SQLite file.  Each call's answer is checked against the rule SPEC §3 and
-§4 give for the ledger as it stood just before; after every step the invariants hold:
+order, on a real SQLite file.  Each call's answer is checked against the rule the docs
+give for the ledger as it stood just before (docs/api.md, "Reservation" and the sections
+of the stop, approval and resume routes; docs/architecture.md, "Run lifecycle"); after
+every step the invariants hold:
 
 - a terminal run never changes;
-- every run's events are a path through SPEC §4's lifecycle (``states.TRANSITIONS``)
+- every run's events are a path through the lifecycle of docs/architecture.md, "Run
+  lifecycle" (``states.TRANSITIONS``)
   ending in its status, with at most one terminal event, the last of its run events, and
   ``attempt`` = 1 + the re-queues and resumes;
 - at most one running, stopping or waiting run per session;
@@ -19,7 +22,7 @@ order, on a real SQLite file.  Each call's answer is checked against the rule SP
 - ``profiles.active_runs`` is the count of non-terminal runs;
 - each (scope, idempotency key) names one run, for ever;
 - each entry into ``queued`` wrote one dispatch record, born sent with its message, and
-  each event that owes a callback (SPEC §7) is one obligation;
+  each event that owes a callback (docs/api.md, "Deliveries (webhooks)") is one obligation;
 - ``runstile db check`` finds nothing wrong.
 """
 
@@ -32,21 +35,44 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from runstile import dispatch
+from runstile import tasks as registry
 from runstile.config import Settings
-from runstile.errors import (ApprovalAlreadyResolved, ApprovalNotPending, CapacityExceeded,
-                             IdempotencyKeyConflict, LeaseLost, RunIdConflict, RunStopping)
-from runstile.ledger import (admission, approvals, db, execution, journal, keys, maintenance,
-                             migrations, nodes, recovery as ledger_recovery)
+from runstile.errors import (
+    ApprovalAlreadyResolved,
+    ApprovalNotPending,
+    CapacityExceeded,
+    IdempotencyKeyConflict,
+    LeaseLost,
+    RunIdConflict,
+    RunStopping,
+)
+from runstile.ledger import (
+    admission,
+    approvals,
+    db,
+    execution,
+    journal,
+    keys,
+    maintenance,
+    migrations,
+    nodes,
+)
+from runstile.ledger import recovery as ledger_recovery
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.ledger.states import NON_TERMINAL, TERMINAL, RunStatus, can_transition
 from runstile.recovery import reconcile
-from runstile import tasks as registry
 
 registry.load(("tests.workers.exec_tasks",))
 
@@ -61,9 +87,11 @@ MAX_RUNNING_PER_PROFILE = 1
 LONG_LEASE_S = 3600.0
 CALLBACK_URL = "https://hooks.example/runs"
 HOLDING = ("running", "stopping", "waiting_for_approval")
-#: Events that owe the run's callback_url a delivery (SPEC §7).
+#: Events that owe the run's callback_url a delivery (docs/api.md, "Deliveries (webhooks)").
 NOTIFYING = ("run.paused", "approval.requested", *(f"run.{s.value}" for s in TERMINAL))
-#: Event type -> the status it moves a run to (SPEC §4 "Events").
+#: Event type -> the status it moves a run to (the events of
+#: docs/api.md, "`GET /v1/runs/{run_id}/events` — the event log", on the edges of
+#: docs/architecture.md, "Run lifecycle").
 EVENT_STATUS = {"run.queued": "queued", "run.started": "running", "run.requeued": "queued",
                 "run.resumed": "queued", "approval.resolved": "queued",
                 "approval.requested": "waiting_for_approval", "run.stopping": "stopping",
@@ -74,16 +102,16 @@ def task_known(name: str) -> bool:
     return registry.get(name) is not None
 
 
-def has_runs(machine: "LedgerMachine") -> bool:
+def has_runs(machine: LedgerMachine) -> bool:
     return machine.conn.execute("SELECT 1 FROM runs LIMIT 1").fetchone() is not None
 
 
-def has_runs_in_flight(machine: "LedgerMachine") -> bool:
+def has_runs_in_flight(machine: LedgerMachine) -> bool:
     return machine.conn.execute("SELECT 1 FROM runs WHERE status IN ('running', 'stopping') "
                                 "LIMIT 1").fetchone() is not None
 
 
-def has_orphans(machine: "LedgerMachine") -> bool:
+def has_orphans(machine: LedgerMachine) -> bool:
     """Some run in flight whose owner is gone: its lease lapsed, or it is an earlier
     generation of this node.  (Rules without arguments are drawn far more often than the
     others; guarding them keeps the machine busy with runs, not with empty passes.)"""
@@ -145,7 +173,8 @@ class LedgerMachine(RuleBasedStateMachine):
             "SELECT type FROM events WHERE run_id = ? ORDER BY seq", (run_id,))]
 
     def may_claim(self, run: dict) -> bool:
-        """SPEC §5 sessions, read independently of sessions.claim_refusal."""
+        """The session rule (``session_key`` in docs/api.md, "`POST /v1/runs` — admit a run"),
+        read independently of sessions.claim_refusal."""
         if run["session_key"] is None:
             return True
         scope = (run["profile_id"], run["key_id"], run["session_key"])
@@ -194,7 +223,7 @@ class LedgerMachine(RuleBasedStateMachine):
             input_json=json.dumps(value), session_key=session, trigger_id=None,
             metadata_json=None, callback_url=callback_url, fingerprint=fp,
             fingerprint_version=1)
-        # What SPEC §3.1's reservation table says, read from the ledger as it stands.
+        # What the table of docs/api.md, "Reservation" says, read from the ledger as it stands.
         bound = None if key is None else self.conn.execute(
             "SELECT run_id, fingerprint FROM idempotency_keys WHERE profile_id = ? AND "
             "key_id = ? AND idempotency_key = ?", (*scope, key)).fetchone()
@@ -461,7 +490,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(recovered=st.booleans())
     def node_boots(self, recovered):
         """The node restarts: every earlier generation's owner is dead by definition.  Its
-        boot recovery runs (SPEC §6.1), or is killed before it starts (``recovered``)."""
+        boot recovery runs (docs/guarantees.md, "4. Recovery barrier"), or is killed before
+        it starts (``recovered``)."""
         self.generation = nodes.boot(self.conn, NODE)
         if recovered:
             reconcile.boot(self.settings, self.generation)
@@ -502,7 +532,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert [seq for seq, _ in rows] == list(range(1, len(rows) + 1))
             path = [EVENT_STATUS[t] for _, t in rows if t in EVENT_STATUS]
             assert rows[0][1] == "run.queued" and path[0] == "queued", run["id"]
-            for source, target in zip(path, path[1:]):
+            for source, target in zip(path, path[1:], strict=False):
                 assert can_transition(source, target), (run["id"], source, target, rows)
             assert path[-1] == run["status"], (run["id"], rows, run["status"])
             terminal = [t for _, t in rows if t in {f"run.{s.value}" for s in TERMINAL}]

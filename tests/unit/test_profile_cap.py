@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 
 from runstile import dispatch
+from runstile import tasks as registry
 from runstile.config import Settings
-from runstile.ledger import (admission, approvals, db, execution, keys, profile_slots,
-                             recovery)
+from runstile.ledger import admission, approvals, db, execution, keys, profile_slots, recovery
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
 from runstile.recovery import reconcile
-from runstile import tasks as registry
 
 registry.load(("tests.workers.exec_tasks",))
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runstile.errors import MalformedRequest, RequestHeadersTooLarge, RequestLineTooLong
 from runstile.web.request_reader import RequestReader, Verdict

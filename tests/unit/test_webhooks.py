@@ -1,5 +1,6 @@
-"""Webhook delivery over real loopback sockets (SPEC §7): signatures checked by the
-independent ``standardwebhooks`` package, the SSRF guard, redirects, timeouts, caps."""
+"""Webhook delivery over real loopback sockets (docs/api.md, "Deliveries (webhooks)"):
+signatures checked by the independent ``standardwebhooks`` package, the SSRF guard,
+redirects, timeouts, caps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import ssl
 import subprocess
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import format_datetime
 
 import pytest
@@ -18,7 +19,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from runstile import netguard, webhooks
 from runstile.webhooks import Outcome, deliver, next_delay_s
-from tests.receiver import Receiver, answer_with as _answer
+from tests.receiver import Receiver
+from tests.receiver import answer_with as _answer
 
 LOOPBACK = ("127.0.0.0/8",)
 
@@ -67,7 +69,7 @@ def test_a_new_secret_is_whsec_and_base64_of_32_random_bytes():
 def test_a_signature_is_what_the_standard_webhooks_library_computes():
     secret, body = webhooks.new_secret(), b'{"type":"run.completed"}'
     ours = webhooks.sign(secret, "dlv_1", 1_700_000_000, body)
-    theirs = Webhook(secret).sign("dlv_1", datetime.fromtimestamp(1_700_000_000, timezone.utc),
+    theirs = Webhook(secret).sign("dlv_1", datetime.fromtimestamp(1_700_000_000, UTC),
                                   body.decode())
     assert ours == theirs and ours.startswith("v1,")
 
@@ -285,7 +287,7 @@ def test_a_503_with_retry_after_seconds_is_retried_after_that_long(receivers):
 
 
 def test_a_429_with_retry_after_as_an_http_date_gives_the_seconds_until_then(receivers):
-    when = format_datetime(datetime.fromtimestamp(time.time() + 120, timezone.utc), usegmt=True)
+    when = format_datetime(datetime.fromtimestamp(time.time() + 120, UTC), usegmt=True)
     receiver = receivers(_answer(429, {"Retry-After": when}))
     outcome = deliver(receiver.url(), b"{}", {}, allowlist=LOOPBACK)
     assert outcome.kind == "retry" and outcome.status == 429

@@ -197,7 +197,7 @@ def exits(ctx, input):
 def checkpointing(ctx, input):
     """Ticks, calling ctx.checkpoint() each time: a stop is seen at the next tick."""
     log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
-    for i in range(input.get("ticks", 400)):
+    for _ in range(input.get("ticks", 400)):
         ctx.checkpoint()
         time.sleep(0.05)
     log_line(input["log"], f"end {ctx.run_id} {ctx.attempt}")

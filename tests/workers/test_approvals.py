@@ -1,4 +1,8 @@
-"""Approvals (SPEC §3.4, §5): park, decide once, replay the body from its journal."""
+"""Approvals: park, decide once, replay the body from its journal.
+
+See docs/api.md, "`POST /v1/runs/{run_id}/approval` — decide a pending approval", and
+docs/tasks.md, "What replays and what re-runs".
+"""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ def test_50_waiting_runs_do_not_starve_8_worker_threads(make_system, ledger, tmp
     calls = read_log(log)
     # Each body ran twice (before and after the decision); its steps ran once each.
     for n, rid in enumerate(waiting):
-        assert sum(l.startswith(f"start {rid}") for l in calls) == 2
+        assert sum(line.startswith(f"start {rid}") for line in calls) == 2
         assert calls.count(f"call prepare {rid}") == 1
         assert calls.count(f"call publish {rid}") == (1 if n % 2 == 0 else 0)
     types = [e["type"] for e in api.get(f"/v1/runs/{waiting[0]}/events",

@@ -1,9 +1,10 @@
-"""One broker contract, three brokers: embedded (SQLite), Redis and RabbitMQ (SPEC §5).
+"""One broker contract, three brokers: embedded (SQLite), Redis and RabbitMQ
+(docs/architecture.md, "The embedded broker" and "Redis and RabbitMQ").
 
 Every case runs a real deployment: ``runstile up`` on the embedded broker; ``runstile
-serve`` + ``runstile worker`` with ``RUNSTILE_BROKER_URL`` for Redis and RabbitMQ (DESIGN
-§3 "contract suites", after huey's StorageTests).  Executions are counted in an external
-log file, never in the ledger.
+serve`` + ``runstile worker`` with ``RUNSTILE_BROKER_URL`` for Redis and RabbitMQ (one
+contract suite, docs/guarantees.md, "Also proven"; after huey's StorageTests).  Executions
+are counted in an external log file, never in the ledger.
 
 Brokers: Redis is a ``redis-server`` of the test's own (no persistence), so it can be
 stopped and restarted empty without touching the shared one.  RabbitMQ is the machine's
@@ -37,8 +38,18 @@ import pytest
 from runstile import dispatch
 from runstile.config import Settings
 from runstile.ledger import broker_queue, db
-from tests.conftest import (ROOT, RUNSTILE, Api, Ledger, Server, System, Workers,
-                            broker_available, free_port, wait_until)
+from tests.conftest import (
+    ROOT,
+    RUNSTILE,
+    Api,
+    Ledger,
+    Server,
+    System,
+    Workers,
+    broker_available,
+    free_port,
+    wait_until,
+)
 from tests.receiver import Receiver
 from tests.workers.test_profile_cap import most_at_once
 
@@ -106,7 +117,7 @@ class OwnRedis(ExternalBroker):
         self.folder, self.port, self.proc = folder, free_port(), None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "OwnRedis":
+    def start(self) -> OwnRedis:
         log = open(self.folder / f"redis-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -178,7 +189,7 @@ class OwnRabbitmq(ExternalBroker):
             pytest.skip(message)
         return found
 
-    def start(self) -> "OwnRabbitmq":
+    def start(self) -> OwnRabbitmq:
         assert self.proc is None, "already running"
         shutil.rmtree(self.folder / "mnesia", ignore_errors=True)  # restarted empty
         self.dist_port = free_port()
@@ -390,7 +401,7 @@ class Deployment:
     def embedded(self) -> bool:
         return self.broker.kind == "embedded"
 
-    def start(self) -> "Deployment":
+    def start(self) -> Deployment:
         if self.embedded:
             self.web = System(self.ledger.data_dir, self.env, web_workers=1).start()
             self.logs.append(self.web)

@@ -43,7 +43,8 @@ def test_stop_races_end_each_run_in_exactly_one_terminal_state(make_system, ledg
         t.join()
     for rid in answers:
         wait_for_status(api, rid, timeout_s=30)
-    began = collections.Counter(l.split()[3] for l in read_log(log) if l.startswith("begin"))
+    began = collections.Counter(line.split()[3] for line in read_log(log)
+                                if line.startswith("begin"))
     for rid, (code, status, _) in answers.items():
         events = [e["type"] for e in api.get(f"/v1/runs/{rid}/events", headers={
             "Accept": "application/json"}).json()["data"]]

@@ -1,6 +1,7 @@
 """The deliverer in-process against a real ledger file and real loopback receivers
-(SPEC §7): the obligation's guarded moves, the fence, backoff, parking, the SSRF guard
-at the socket layer, secret rotation, and recovery's obligation sweep."""
+(docs/architecture.md, "Deliveries"; docs/api.md, "Deliveries (webhooks)"): the obligation's
+guarded moves, the fence, backoff, parking, the SSRF guard at the socket layer, secret
+rotation, and recovery's obligation sweep."""
 
 from __future__ import annotations
 

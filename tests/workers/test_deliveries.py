@@ -1,6 +1,6 @@
-"""Delivery obligations end to end (SPEC §7): real ``runstile up`` processes, a loopback
-receiver that records what actually arrived, signatures checked by the independent
-``standardwebhooks`` package, and SIGKILLs of the deliverer."""
+"""Delivery obligations end to end (docs/api.md, "Deliveries (webhooks)"): real ``runstile up``
+processes, a loopback receiver that records what actually arrived, signatures checked by
+the independent ``standardwebhooks`` package, and SIGKILLs of the deliverer."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import requests
 from standardwebhooks.webhooks import Webhook
 
 from runstile import netguard
-
 from tests.conftest import ROOT, RUNSTILE, Api, System, wait_for_status, wait_until
 from tests.receiver import answer_with
 
@@ -185,7 +184,8 @@ def test_a_parked_delivery_is_re_armed_or_discarded_by_a_person_and_keeps_its_ru
     rids = [api.post_run({"task": "echo", "callback_url": gone.url()}).json()["id"]
             for _ in range(2)]
     for rid in rids:
-        wait_until(lambda: deliveries(api, rid) and deliveries(api, rid)[0]["state"] == "parked",
+        wait_until(lambda rid=rid: deliveries(api, rid)
+                   and deliveries(api, rid)[0]["state"] == "parked",
                    15, 0.05, "a 410 to park the delivery")
     time.sleep(2.5)  # past the 2 s retention, over several retention passes
     for rid in rids:
@@ -275,10 +275,11 @@ def test_1000_obligations_through_a_flaky_receiver_and_20_deliverer_kills_end_de
                         idempotency_key=f"flaky-{len(submitted)}").json()["id"])
             except requests.RequestException:
                 pass  # the tree is going down under a kill; counted below
-            settled = lambda: ledger.query(
-                "SELECT COUNT(*) FROM obligations WHERE state NOT IN ('delivered', 'parked')"
-            )[0][0] == 0 and ledger.query("SELECT COUNT(*) FROM runs WHERE status NOT IN "
-                                          "('completed', 'failed', 'interrupted')")[0][0] == 0
+            def settled():
+                return ledger.query(
+                    "SELECT COUNT(*) FROM obligations WHERE state NOT IN ('delivered', 'parked')"
+                )[0][0] == 0 and ledger.query("SELECT COUNT(*) FROM runs WHERE status NOT IN "
+                                              "('completed', 'failed', 'interrupted')")[0][0] == 0
             while system.proc.poll() is None and not settled():
                 time.sleep(0.1)
             if system.proc.poll() is not None:
@@ -307,7 +308,7 @@ def test_1000_obligations_through_a_flaky_receiver_and_20_deliverer_kills_end_de
         "SELECT id, state, last_status, ambiguous FROM obligations")}
     assert set(by_id) <= set(rows), "a webhook-id that no obligation has"
     recovered = 0
-    for msg_id, (state, last_status, ambiguous) in rows.items():
+    for msg_id, (state, _last_status, _ambiguous) in rows.items():
         got = by_id.get(msg_id, [])
         if state == "delivered":
             assert any(r.get("status") == 204 for r, _ in got), f"{msg_id} never got a 2xx"

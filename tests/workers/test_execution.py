@@ -1,4 +1,8 @@
-"""Admitted runs execute at most once, in real worker processes (SPEC §2.3, §4, §5)."""
+"""Admitted runs execute at most once, in real worker processes.
+
+See docs/guarantees.md, "3. At-most-once execution"; docs/architecture.md, "Run lifecycle", and
+"Worker processes".
+"""
 
 from __future__ import annotations
 
@@ -82,9 +86,9 @@ def test_duplicate_broker_delivery_still_executes_each_run_once(make_system, led
 def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
     api_key = ledger.key()
     conn = ledger.connect()
-    from runstile.ledger import admission, journal
     from runstile.errors import LeaseLost
     from runstile.fingerprint import fingerprint
+    from runstile.ledger import admission, journal
     from runstile.ledger.keys import Principal
     request = admission.AdmissionRequest(
         principal=Principal("default", api_key.key_id, "client"), key=None, key_is_derived=False,
@@ -93,7 +97,8 @@ def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
         fingerprint_version=1)
     rid = admission.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
     stale, fresh = Owner("n", 1, 100, 1), Owner("n", 2, 200, 2)
-    known = lambda name: True
+    def known(name):
+        return True
     assert execution.claim(conn, rid, stale, lease_s=30, task_known=known).run is not None
     assert execution.claim(conn, rid, fresh, lease_s=30, task_known=known).outcome == "not_queued"
     conn.execute("UPDATE runs SET lease_expires_at = 0 WHERE id = ?", (rid,))  # lease lapses
@@ -134,7 +139,7 @@ def test_a_re_run_body_replays_completed_steps_without_calling_them(make_system,
     log, release = tmp_path / "executions.log", tmp_path / "release"
     rid = api.post_run({"task": "t.steps", "input": {"log": str(log),
                                                      "release": str(release)}}).json()["id"]
-    wait_until(lambda: sum(l.startswith("call") for l in read_log(log)) == 2, 30, 0.02,
+    wait_until(lambda: sum(line.startswith("call") for line in read_log(log)) == 2, 30, 0.02,
                "both steps of the first execution")
     again = requeue_running(ledger, rid)
     assert again is not None and again["attempt"] == 2
@@ -143,7 +148,7 @@ def test_a_re_run_body_replays_completed_steps_without_calling_them(make_system,
     run = wait_until(lambda: (lambda r: r if r["status"] == "completed" else None)(
         api.get(f"/v1/runs/{rid}").json()), 30, 0.05, "the re-run to complete")
     assert run["attempt"] == 2
-    calls = [l for l in read_log(log) if l.startswith("call")]
+    calls = [line for line in read_log(log) if line.startswith("call")]
     assert calls == [f"call a {rid}", f"call b {rid}"], "a completed step ran again"
     assert ledger.query("SELECT position, state, starts FROM journal WHERE run_id = ? AND "
                         "kind = 'step' ORDER BY position", (rid,)) == [
@@ -213,7 +218,7 @@ def test_a_value_a_task_nests_deeper_than_64_levels_fails_the_run_and_reads_fine
              ("approval", 64, "waiting_for_approval", None)]
     ids = [api.post_run({"task": "t.deep", "input": {"via": via, "depth": depth}}).json()["id"]
            for via, depth, _, _ in cases]
-    for rid, (via, depth, status, code) in zip(ids, cases):
+    for rid, (via, _depth, status, code) in zip(ids, cases, strict=True):
         run = wait_for_status(api, rid, ("completed", "failed", "waiting_for_approval"))
         assert (run["status"], (run["error"] or {}).get("code")) == (status, code), (via, run)
         if code is not None:
@@ -241,8 +246,8 @@ def test_a_run_whose_task_is_gone_fails_unknown_task_at_claim(make_system, ledge
     wait_for_status(api, rid)
     # A run queued for a task the workers no longer register (edited in while queued).
     from runstile import dispatch
-    from runstile.ledger import admission
     from runstile.fingerprint import fingerprint
+    from runstile.ledger import admission
     from runstile.ledger.keys import Principal
     request = admission.AdmissionRequest(
         principal=Principal("default", api.key.key_id, "client"), key=None, key_is_derived=False,
@@ -280,7 +285,8 @@ def test_sse_resume_from_last_event_id_returns_exactly_the_later_events(make_sys
 
 def test_two_nodes_of_the_same_id_on_one_data_dir_refuse(make_system, ledger):
     system = make_system(workers=1, threads=1)
-    import subprocess, sys
+    import subprocess
+    import sys
     second = subprocess.run([sys.executable, "-m", "runstile", "worker", "--data-dir",
                              str(ledger.data_dir)], capture_output=True, text=True, timeout=60)
     assert second.returncode == 1
@@ -293,7 +299,7 @@ def test_a_heartbeat_that_renews_nothing_interrupts_the_body(make_system, ledger
     api = Api(system, ledger.key(), ledger)
     log = tmp_path / "executions.log"
     rid = api.post_run({"task": "t.long", "input": {"log": str(log), "ticks": 200}}).json()["id"]
-    wait_until(lambda: any(l.startswith(f"tick {rid}") for l in read_log(log)), 30, 0.02,
+    wait_until(lambda: any(line.startswith(f"tick {rid}") for line in read_log(log)), 30, 0.02,
                "the body to run")
     # Someone else (recovery, after this owner looked dead) took the lease away.
     conn = ledger.connect()
@@ -301,7 +307,8 @@ def test_a_heartbeat_that_renews_nothing_interrupts_the_body(make_system, ledger
     conn.close()
     wait_until(lambda: "lease lost; interrupting its body" in system.log(), 10, 0.05,
                "the heartbeat to notice")
-    ticks = lambda: sum(l.startswith(f"tick {rid}") for l in read_log(log))
+    def ticks():
+        return sum(line.startswith(f"tick {rid}") for line in read_log(log))
     settled = ticks()
     time.sleep(0.5)
     assert ticks() <= settled + 1, "the body kept running after its lease was lost"
@@ -323,7 +330,7 @@ def test_task_retries_requeue_through_the_ledger_until_they_run_out(make_system,
     assert failed["attempt"] == 2 and failed["error"]["code"] == "task_error"
     assert starts_by_run(log)[flaky] == 3 and starts_by_run(log)[hopeless] == 2
     # The step completed on attempt 1 is replayed on 2 and 3, not called again.
-    assert [l for l in read_log(log) if l.startswith("call")] == [f"call {flaky}"]
+    assert [line for line in read_log(log) if line.startswith("call")] == [f"call {flaky}"]
     types = [e["type"] for e in api.get(f"/v1/runs/{flaky}/events",
                                         headers={"Accept": "application/json"}).json()["data"]]
     assert types.count("run.requeued") == 2 and types.count("run.started") == 3

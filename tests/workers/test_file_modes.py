@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RUNSTILE, ROOT, Api, Key, System, wait_for_status, wait_until
+from tests.conftest import ROOT, RUNSTILE, Api, Key, System, wait_for_status, wait_until
 
 
 def mode(path) -> int:

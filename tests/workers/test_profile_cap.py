@@ -59,8 +59,8 @@ def test_a_capped_profile_runs_one_body_at_a_time_and_the_other_profile_keeps_go
     # Each waiting run started when its tenant's previous run ended, not at a sweep.
     for tag in tenants:
         times = [(kind, float(at)) for kind, t, _, at in lines if t == tag]
-        gaps = [b[1] - a[1] for a, b in zip(times, times[1:]) if (a[0], b[0]) == ("end",
-                                                                              "begin")]
+        gaps = [b[1] - a[1] for a, b in zip(times, times[1:], strict=False)
+                if (a[0], b[0]) == ("end", "begin")]
         assert len(gaps) == 3 and max(gaps) < 5, gaps
     # Every run a claim refused for the cap was handed a freed slot by a dispatch.
     refused = set(re.findall(r"run (run_[0-9a-f]{32}): claim lost \(profile_busy\)",

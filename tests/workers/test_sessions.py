@@ -1,4 +1,7 @@
-"""Sessions (SPEC §5): one run at a time per (scope, session_key), in admission order."""
+"""Sessions: one run at a time per (scope, session_key), in admission order.
+
+See ``session_key`` in docs/api.md, "`POST /v1/runs` — admit a run".
+"""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ def test_runs_of_a_session_execute_one_at_a_time_in_admission_order(make_system,
                                     ).json()["id"])
     for rid in ids:
         assert wait_for_status(api, rid)["status"] == "completed"
-    lines = [l.split() for l in read_log(log)]
+    lines = [line.split() for line in read_log(log)]
     for session in ("alpha", "beta"):
         mine = [(kind, int(n)) for kind, s, n, _ in lines if s == session]
         # begin n, finish n, begin n+1, ...: never two at once, always in order.
@@ -40,7 +43,7 @@ def test_a_paused_or_stopped_head_does_not_block_its_session(make_system, ledger
                          "input": {"log": str(log)}}).json()["id"]
     nxt = api.post_run({"task": "t.session_step", "session_key": "s",
                         "input": {"log": str(log), "n": 1}}).json()["id"]
-    wait_until(lambda: any(l.startswith(f"start {head}") for l in read_log(log)), 30, 0.02,
+    wait_until(lambda: any(line.startswith(f"start {head}") for line in read_log(log)), 30, 0.02,
                "the head to run")
     assert api.get(f"/v1/runs/{nxt}").json()["status"] == "queued"  # waits behind its head
     assert api.post(f"/v1/runs/{head}/stop").status_code == 202
@@ -55,7 +58,7 @@ def test_the_same_session_key_in_another_scope_is_another_session(make_system, l
     log = tmp_path / "executions.log"
     blocker = a.post_run({"task": "t.checkpointing", "session_key": "shared",
                           "input": {"log": str(log)}}).json()["id"]
-    wait_until(lambda: any(l.startswith(f"start {blocker}") for l in read_log(log)), 30, 0.02,
+    wait_until(lambda: any(line.startswith(f"start {blocker}") for line in read_log(log)), 30, 0.02,
                "a's head to run")
     other = b.post_run({"task": "t.session_step", "session_key": "shared",
                         "input": {"log": str(log), "n": 1}}).json()["id"]

@@ -102,7 +102,8 @@ def test_any_mix_of_sigint_and_sigterm_stops_every_process_of_up_within_the_drai
         started = time.monotonic()
         sent = signal_storm(pgid, rng)
         try:
-            wait_until(lambda: system.proc.poll() is not None and not group_alive(pgid),
+            wait_until(lambda system=system, pgid=pgid:
+                       system.proc.poll() is not None and not group_alive(pgid),
                        BUDGET_S, 0.02, "every process of the group to exit")
         except AssertionError:
             raise AssertionError(

@@ -1,4 +1,7 @@
-"""POST /v1/runs/<id>/stop (SPEC §3.4): bound to the run, durable, repeatable."""
+"""POST /v1/runs/<id>/stop: bound to the run, durable, repeatable.
+
+See docs/api.md, "`POST /v1/runs/{run_id}/stop` — stop a run".
+"""
 
 from __future__ import annotations
 
@@ -39,13 +42,13 @@ def test_a_running_body_sees_the_stop_at_its_next_checkpoint(make_system, ledger
     api = Api(system, ledger.key(), ledger)
     log = tmp_path / "executions.log"
     rid = api.post_run({"task": "t.checkpointing", "input": {"log": str(log)}}).json()["id"]
-    wait_until(lambda: any(l.startswith("start") for l in read_log(log)), 30, 0.02, "a start")
+    wait_until(lambda: any(line.startswith("start") for line in read_log(log)), 30, 0.02, "a start")
     answer = api.post(f"/v1/runs/{rid}/stop")
     assert answer.status_code == 202 and answer.json()["status"] == "stopping"
     assert api.post(f"/v1/runs/{rid}/stop").status_code == 202  # repeat while stopping
     run = wait_for_status(api, rid, statuses=("cancelled",), timeout_s=10)
     assert run["result"] is None
-    assert not any(l.startswith("end") for l in read_log(log))
+    assert not any(line.startswith("end") for line in read_log(log))
     assert events_of(api, rid)[-2:] == ["run.stopping", "run.cancelled"]
     final = api.post(f"/v1/runs/{rid}/stop")
     assert final.status_code == 200 and final.json()["status"] == "cancelled"
@@ -57,13 +60,14 @@ def test_a_body_that_never_checks_is_interrupted_after_the_grace(make_system, le
     api = Api(system, ledger.key(), ledger)
     log = tmp_path / "executions.log"
     rid = api.post_run({"task": "t.long", "input": {"log": str(log), "ticks": 400}}).json()["id"]
-    wait_until(lambda: any(l.startswith(f"tick {rid}") for l in read_log(log)), 30, 0.02,
+    wait_until(lambda: any(line.startswith(f"tick {rid}") for line in read_log(log)), 30, 0.02,
                "the body to tick")
     assert api.post(f"/v1/runs/{rid}/stop").status_code == 202
     began = time.monotonic()
     wait_for_status(api, rid, statuses=("cancelled",), timeout_s=10)
     assert time.monotonic() - began < 5
-    ticks = lambda: sum(l.startswith(f"tick {rid}") for l in read_log(log))
+    def ticks():
+        return sum(line.startswith(f"tick {rid}") for line in read_log(log))
     settled = ticks()
     time.sleep(0.4)
     assert ticks() <= settled + 1 and f"end {rid}" not in read_log(log)

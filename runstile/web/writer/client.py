@@ -75,7 +75,7 @@ class WriterClient:
         """This thread's connection to the writer (one outstanding request each), opened
         on first use and again in a forked child; None when the writer cannot be reached."""
         threads = self._threads
-        sock = getattr(threads, "sock", None)
+        sock: socket.socket | None = getattr(threads, "sock", None)
         if sock is not None and threads.pid == os.getpid():
             return sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

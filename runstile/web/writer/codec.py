@@ -28,7 +28,7 @@ import socket
 import sqlite3
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any, get_type_hints
+from typing import Any, TypeVar, get_type_hints
 
 from ... import errors
 from ...config import Settings
@@ -39,6 +39,8 @@ from ...ledger import admission, group_commit, runs
 LENGTH = struct.Struct(">I")
 #: Frames carry one request body's input and its run (two copies of the input at most).
 _FRAME_SLACK = 64 * 1024
+
+_T = TypeVar("_T")
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
@@ -64,11 +66,11 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 # ------------------------------------------------------------------ errors
 
-def _error_fields(exc: RunstileError) -> list:
+def _error_fields(exc: RunstileError) -> list[Any]:
     return [type(exc).__name__, exc.message, exc.details]
 
 
-def _error_from(fields: list) -> RunstileError:
+def _error_from(fields: list[Any]) -> RunstileError:
     name, message, details = fields
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, RunstileError)):
@@ -110,7 +112,7 @@ def _width(cls: type) -> int:
     return sum(1 if nested is None else _width(nested) for _, nested in _layout(cls))
 
 
-def _flatten(obj: object, out: list) -> list:
+def _flatten(obj: object, out: list[Any]) -> list[Any]:
     for name, nested in _layout(type(obj)):
         value = getattr(obj, name)
         if nested is not None:
@@ -120,8 +122,8 @@ def _flatten(obj: object, out: list) -> list:
     return out
 
 
-def _build(cls: type, values: Iterator, enqueue: runs.Enqueue | None) -> Any:
-    fields = {}
+def _build(cls: type[_T], values: Iterator[Any], enqueue: runs.Enqueue | None) -> _T:
+    fields: dict[str, Any] = {}
     for name, nested in _layout(cls):
         if nested is not None:
             fields[name] = _build(nested, values, enqueue)

@@ -17,6 +17,7 @@ import pickle
 import selectors
 import signal
 import socket
+import sqlite3
 import sys
 
 from ... import crashpoints, dispatch
@@ -32,6 +33,11 @@ _TICK_S = 0.5
 _SEND_TIMEOUT_S = 10.0
 #: Bytes read from a connection per wake-up.
 _READ_BYTES = 256 * 1024
+
+
+def _never_run(conn: sqlite3.Connection) -> None:
+    """The work of a unit that failed before it had any: settling skips it."""
+    raise RuntimeError("an unreadable admission request is never committed")
 
 
 class _Connection:
@@ -146,7 +152,7 @@ class _Writer:
             sock.settimeout(_SEND_TIMEOUT_S)
             self.selector.register(sock, selectors.EVENT_READ, _Connection(sock))
 
-    def _read(self, conn: _Connection, batch: list) -> None:
+    def _read(self, conn: _Connection, batch: list[tuple[_Connection, group_commit.Unit]]) -> None:
         """Add every whole request ``conn`` sent to ``batch``; keep a partial one."""
         try:
             data = conn.sock.recv(_READ_BYTES)
@@ -171,13 +177,13 @@ class _Writer:
             batch.append((conn, self._unit(payload)))
 
     def _unit(self, payload: bytes) -> group_commit.Unit:
-        unit = group_commit.Unit(None)
         try:
-            unit.work = decode_request(payload, self.enqueue)
+            return group_commit.Unit(decode_request(payload, self.enqueue))
         except (ValueError, TypeError) as exc:
             # Answered with the batch, never committed (settle skips units with errors).
+            unit = group_commit.Unit(_never_run)
             unit.error = RuntimeError(f"unreadable admission request: {exc}")
-        return unit
+            return unit
 
     def _close(self, conn: _Connection) -> None:
         with contextlib.suppress(KeyError, ValueError):

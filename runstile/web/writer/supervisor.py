@@ -57,7 +57,7 @@ class WriterProcess:
         #: Guards _proc against stop(): a writer is started only while not stopping, and
         #: stop() sees every writer that was started (none outlives serve).
         self._guard = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._lifeline: socket.socket | None = None
         self._watcher: threading.Thread | None = None
 
@@ -81,6 +81,7 @@ class WriterProcess:
                 stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),))
             self._proc, self._lifeline = proc, ours
         theirs.close()
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(pickle.dumps(self.settings))
             proc.stdin.close()
@@ -109,8 +110,10 @@ class WriterProcess:
                 delay = max(delay, _STOPPED_S)
             if self._stopping.wait(delay):
                 return
+            proc = self._proc
+            assert proc is not None  # _watch starts after _spawn
             log.warning("the admission writer (pid %s) exited; restarting it (web "
-                        "processes commit their own admissions meanwhile)", self._proc.pid)
+                        "processes commit their own admissions meanwhile)", proc.pid)
             restarts = 0 if self._spawn() else restarts + 1
 
     def _wait_for_exit(self) -> bytes:
@@ -146,7 +149,7 @@ class WriterProcess:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     @staticmethod
-    def _end(proc: subprocess.Popen) -> None:
+    def _end(proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM, then SIGKILL after ``_STOP_S``; gunicorn has returned, so no web
         process is left to send the writer anything."""
         with contextlib.suppress(ProcessLookupError):

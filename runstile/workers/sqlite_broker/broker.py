@@ -133,7 +133,13 @@ class SQLiteBroker(Broker):
         self._watcher: Watcher | None = None
         # A lock or thread inherited through fork() is useless in the child: start over.
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (b := ref()) and b._reset_after_fork())
+
+        def reset_in_child() -> None:
+            broker = ref()
+            if broker:
+                broker._reset_after_fork()
+
+        os.register_at_fork(after_in_child=reset_in_child)
 
     def _reset_after_fork(self) -> None:
         self._watcher_lock = threading.Lock()

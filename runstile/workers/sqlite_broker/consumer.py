@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import ConnectionClosed, DecodeError
@@ -127,25 +127,28 @@ class SQLiteConsumer(Consumer):
         return SQLiteMessageProxy(message, delivery_id, self)
 
     # -- called from worker threads ---------------------------------------------------
+    # Dramatiq's worker hands back only proxies this broker's consumers made (the casts).
 
-    def ack(self, message: SQLiteMessageProxy) -> None:
+    def ack(self, message: MessageProxy) -> None:
         """Delete the message's row, only if its consumer still holds it."""
+        message = cast(SQLiteMessageProxy, message)
         if not message._owner._settle(message.delivery_id, broker_queue.ack):
             self.logger.warning(
                 "Message %s (delivery %d) was no longer held by its consumer when acked; "
                 "it may be delivered again.", message.message_id, message.delivery_id)
 
-    def nack(self, message: SQLiteMessageProxy) -> None:
+    def nack(self, message: MessageProxy) -> None:
         """Dead-letter the message's row, only if its consumer still holds it."""
+        message = cast(SQLiteMessageProxy, message)
         if not message._owner._settle(message.delivery_id, broker_queue.dead_letter):
             self.logger.warning(
                 "Message %s (delivery %d) was no longer held by its consumer when nacked.",
                 message.message_id, message.delivery_id)
 
-    def requeue(self, messages: Iterable[SQLiteMessageProxy]) -> None:
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Put unprocessed (prefetched or delayed) messages back to ready."""
         by_owner: dict[SQLiteConsumer, list[int]] = collections.defaultdict(list)
-        for message in messages:
+        for message in cast("Iterable[SQLiteMessageProxy]", messages):
             by_owner[message._owner].append(message.delivery_id)
         for owner, delivery_ids in by_owner.items():
             owner._release(delivery_ids)
