@@ -30,6 +30,7 @@ import dramatiq
 from .config import Settings
 from .errors import RunstileError
 from .ledger import broker_queue, db, dispatches, obligations
+from .ledger.owed import Owed
 from .ledger.runs import Enqueue
 
 log = logging.getLogger("runstile.dispatch")
@@ -53,41 +54,41 @@ def delivery_message(obligation_id: str) -> dramatiq.Message:
 
 
 class _EmbeddedEnqueue:
-    """The embedded broker's in-transaction enqueue (a ``ledger.runs.Enqueue``)."""
+    """The embedded broker's enqueue: the message row joins the transaction."""
 
-    def __call__(self, conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
+    in_transaction = True
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
+        queue_name, message_id, body, eta, run_id = self.message(run, dispatch_id)
+        broker_queue.insert_message(conn, queue_name, message_id, body, eta=eta, run_id=run_id)
+
+    def message(self, run: dict[str, Any], dispatch_id: int) -> broker_queue.NewMessage:
         message = message_for(run["id"], dispatch_id)
-        broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode(),
-                                    run_id=run["id"])
-
-    @staticmethod
-    def message(run: dict, dispatch_id: int) -> broker_queue.NewMessage:
-        """A batch of admissions collects its messages and inserts them with one
-        statement."""
-        message = message_for(run["id"], dispatch_id)
-        return QUEUE, message.message_id, message.encode(), None, run["id"]
+        if self.delay_s <= 0:
+            return QUEUE, message.message_id, message.encode(), None, run["id"]
+        # Dramatiq's convention: a delayed message waits on ``<queue>.DQ`` with an eta.
+        eta_ms = int((time.time() + self.delay_s) * 1000)
+        delayed = message.copy(queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
+        return delayed.queue_name, delayed.message_id, delayed.encode(), eta_ms / 1000, run["id"]
 
 
-_embedded_enqueue = _EmbeddedEnqueue()
+class _PublishAfterCommit:
+    """Redis and RabbitMQ: a message cannot join an SQLite transaction, so the commit owes
+    the publish of the record (ledger/owed.py) and :meth:`Dispatcher.after_commit` pays."""
 
+    in_transaction = False
 
-def in_transaction_enqueue(settings: Settings, *, delay_s: float = 0.0) -> Enqueue | None:
-    """The callback admission and re-queues pass to the ledger, or None for brokers that
-    are published to after commit (Redis, RabbitMQ).  With ``delay_s`` the message waits
-    on the delay queue (Dramatiq's ``<queue>.DQ`` convention with an ``eta``)."""
-    if settings.broker_url != "sqlite":
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
+        db.owe_publish(conn, dispatch_id, run["id"], self.delay_s)
+
+    def message(self, run: dict[str, Any], dispatch_id: int) -> None:
         return None
-    if delay_s <= 0:
-        return _embedded_enqueue
-
-    def delayed(conn: sqlite3.Connection, run: dict, dispatch_id: int) -> None:
-        eta_ms = int((time.time() + delay_s) * 1000)
-        message = message_for(run["id"], dispatch_id).copy(
-            queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
-        broker_queue.insert_message(conn, message.queue_name, message.message_id,
-                                    message.encode(), eta=eta_ms / 1000, run_id=run["id"])
-
-    return delayed
 
 
 # ------------------------------------------------------------ Redis and RabbitMQ
@@ -249,33 +250,30 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
 
 # ------------------------------------------------------------ delivery obligations
 
-def send_deliveries(settings: Settings, conn: sqlite3.Connection, *, run_id: str | None = None,
-                    stale_s: float | None = None, grace_s: float = 0.0,
-                    limit: int = PENDING_BATCH) -> int:
-    """Send a deliverer message for each pending, due obligation that has none (of one
-    run, or all; with ``stale_s`` also those whose message is that long overdue; with
-    ``grace_s`` only those due at least that long), and
-    mark them sent.  Called after the commits that create obligations and by
-    recovery's sweep (docs/operations.md, "Recovery", step 2).  Never raises: anything
-    not sent here is found by the next sweep; a duplicate message loses the claim and
-    does nothing."""
+def send_deliveries(settings: Settings, conn: sqlite3.Connection, *,
+                    run_ids: Sequence[str] | None = None, stale_s: float | None = None,
+                    grace_s: float = 0.0, limit: int = PENDING_BATCH) -> int:
+    """Send a deliverer message for each pending, due obligation that has none (of these
+    runs, or all; with ``stale_s`` also those whose message is that long overdue; with
+    ``grace_s`` only those due at least that long), and mark them sent.  Called after the
+    commits that create obligations (:meth:`Dispatcher.after_commit`) and by recovery's
+    sweep (docs/operations.md, "Recovery", step 2).  Never raises: anything not sent here
+    is found by the next sweep; a duplicate message loses the claim and does nothing."""
+    def pending() -> list[str]:
+        return obligations.unsent(conn, run_ids=run_ids, stale_s=stale_s, grace_s=grace_s,
+                                  limit=limit)
+
     try:
+        # A read first, without the write lock: most commits that may owe a delivery
+        # (a run without a callback_url ending) owe none.
+        if not pending():
+            return 0
         if settings.broker_url == "sqlite":
-            # Embedded: the messages and their marks commit together.
-            with db.transaction(conn):
-                ids = obligations.unsent(conn, run_id=run_id, stale_s=stale_s, grace_s=grace_s,
-                                          limit=limit)
-                for obligation_id in ids:
-                    message = delivery_message(obligation_id)
-                    broker_queue.insert_message(conn, QUEUE, message.message_id,
-                                                message.encode())
-                obligations.mark_sent(conn, ids)
-            return len(ids)
+            return _send_embedded(conn, pending)
         publisher = publisher_for(settings)
         assert publisher is not None  # not the embedded broker
         sent = []
-        for obligation_id in obligations.unsent(conn, run_id=run_id, stale_s=stale_s,
-                                                grace_s=grace_s, limit=limit):
+        for obligation_id in pending():
             if not publisher.enqueue(delivery_message(obligation_id),
                                      what=f"delivery {obligation_id}"):
                 break
@@ -285,6 +283,17 @@ def send_deliveries(settings: Settings, conn: sqlite3.Connection, *, run_id: str
     except RunstileError as exc:
         log.warning("could not send delivery messages (%s); recovery sends them", exc.message)
         return 0
+
+
+def _send_embedded(conn: sqlite3.Connection, pending: Callable[[], list[str]]) -> int:
+    """The messages and their marks commit together (``pending`` read again under the
+    lock: another process may have sent them since)."""
+    with db.transaction(conn):
+        ids = pending()
+        for message in map(delivery_message, ids):
+            broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode())
+        obligations.mark_sent(conn, ids)
+    return len(ids)
 
 
 def send_delivery_later(settings: Settings, conn: sqlite3.Connection, obligation_id: str,
@@ -307,3 +316,49 @@ def send_delivery_later(settings: Settings, conn: sqlite3.Connection, obligation
         log.warning("delivery %s: could not send its next attempt's message (%s); "
                     "recovery sends it", obligation_id, exc.message)
         return False
+
+
+# ------------------------------------------------------------ what a commit owes
+
+class Dispatcher:
+    """How one process hands runs and deliveries on: built once per process, from its
+    settings, and given to every ledger connection it opens (docs/architecture.md,
+    "What a commit owes").
+
+    ``enqueue`` is what transitions pass to the ledger; :meth:`after_commit` pays what
+    their commits owe — the Redis/RabbitMQ publish of the dispatch records they wrote
+    (a session's next run, a freed profile slot's waiter, a re-queue, a recovered run)
+    and the deliverer messages of the obligations their events created.  So no caller
+    remembers which of these its transition may have caused.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.embedded = settings.broker_url == "sqlite"
+        #: For every transition that makes a run claimable now.
+        self.enqueue = self.delayed(0.0)
+        #: The embedded broker's enqueue, or None with Redis/RabbitMQ: for the writers
+        #: that publish their records themselves after the commit — admission, which may
+        #: commit in the admission writer (another process, settling no debts), and
+        #: recovery, whose sweeps publish and count every unsent record.
+        self.in_transaction: Enqueue | None = self.enqueue if self.embedded else None
+
+    def delayed(self, delay_s: float) -> Enqueue:
+        """The enqueue for a run that may start only ``delay_s`` from now (a retry)."""
+        return _EmbeddedEnqueue(delay_s) if self.embedded else _PublishAfterCommit(delay_s)
+
+    def pool(self) -> db.ConnectionPool:
+        """This process's connections to the ledger, each settling its debts here."""
+        return db.ConnectionPool(self.settings.ledger_path,
+                                 synchronous=self.settings.synchronous,
+                                 busy_timeout_ms=self.settings.busy_timeout_ms,
+                                 after_commit=self.after_commit)
+
+    def after_commit(self, conn: sqlite3.Connection, owed: Owed) -> None:
+        """Pay what a commit owes, right after it (ledger/db.py calls this).  Never
+        raises: an unpaid debt is a committed, unsent row, which recovery sends."""
+        for dispatch_id, run_id, delay_s in owed.publish:
+            if not publish(self.settings, conn, run_id, dispatch_id, delay_s=delay_s):
+                break  # the broker is unreachable: the rest waits for recovery too
+        if owed.deliveries:
+            send_deliveries(self.settings, conn, run_ids=list(dict.fromkeys(owed.deliveries)))

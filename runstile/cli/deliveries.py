@@ -57,7 +57,6 @@ def _settle_delivery(settings, delivery_id: str, action: str, as_json: bool) -> 
     import getpass
     import re
 
-    from .. import dispatch
     from ..ledger import obligations
     from ..objects import delivery_object
     if not re.fullmatch(r"msg_[0-9a-f]{32}", delivery_id):
@@ -75,8 +74,6 @@ def _settle_delivery(settings, delivery_id: str, action: str, as_json: bool) -> 
         _fail(f"delivery_settled: the delivery is {row['state']}")
     if not changed and action == "discard" and row["state"] == "attempting":
         _fail("delivery_in_flight: an attempt is under way; try again in a few seconds")
-    if changed and action == "retry":
-        dispatch.send_deliveries(settings, conn, run_id=row["run_id"])
     current = obligations.get(conn, delivery_id)
     if current is None:  # not expected: retention keeps a run that owes a delivery
         _fail(f"delivery_not_found: no delivery {delivery_id}")

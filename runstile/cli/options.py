@@ -121,9 +121,11 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 
 def _ledger(settings: Settings):
-    """Migrate (once, at start) and open a connection."""
-    from ..ledger import db, migrations
+    """Migrate (once, at start) and open a connection; what its commits owe (a re-armed
+    delivery's message) is paid as in a server process (docs/architecture.md, "What a
+    commit owes")."""
+    from ..dispatch import Dispatcher
+    from ..ledger import migrations
     migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
                        busy_timeout_ms=settings.busy_timeout_ms)
-    return db.connect(settings.ledger_path, synchronous=settings.synchronous,
-                      busy_timeout_ms=settings.busy_timeout_ms)
+    return Dispatcher(settings).pool().get()

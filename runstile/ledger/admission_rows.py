@@ -55,9 +55,9 @@ def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
         run = _run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now)
         dispatch_id = first_dispatch + j
         if res.enqueue is not None:
-            message = getattr(res.enqueue, "message", None)
+            message = res.enqueue.message(run, dispatch_id)
             if message is not None:
-                messages.append(message(run, dispatch_id))
+                messages.append(message)
             else:
                 res.enqueue(conn, run, dispatch_id)
         yield i, run, dispatch_id

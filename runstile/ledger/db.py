@@ -24,6 +24,7 @@ from typing import cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from ..filemodes import open_lock, private_file
+from .owed import Owed
 
 #: The ledger's clock as an SQL expression: Unix seconds with millisecond precision.
 #: Every lease and timestamp comes from here so that all processes share one clock.
@@ -108,6 +109,7 @@ def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int
             private_file(path)  # a new ledger (and so its WAL and SHM) is 0600
             conn = sqlite3.connect(str(path), isolation_level=None, factory=LedgerConnection,
                                    timeout=busy_timeout_ms / 1000, check_same_thread=False)
+        conn.owed = Owed()
         conn.writer_path = str(Path(path).resolve())
         conn.busy_timeout_s = busy_timeout_ms / 1000
         conn.row_factory = sqlite3.Row
@@ -195,11 +197,37 @@ def writer_gate(ledger_path: str) -> WriterGate:
         return gate
 
 
+#: What a connection's owner does with what its commits owe (``dispatch.Dispatcher``).
+AfterCommit = Callable[[sqlite3.Connection, Owed], None]
+
+
 class LedgerConnection(sqlite3.Connection):
-    """A connection that knows its file's writer lock and its busy timeout."""
+    """A connection that knows its file's writer lock, its busy timeout, and what its
+    open transaction owes once it commits (ledger/owed.py)."""
 
     writer_path: str = ""
     busy_timeout_s: float = 5.0
+    #: Written down by the transaction in progress; emptied at every BEGIN.
+    owed: Owed
+    #: Called after a COMMIT that owes something; None: the debt is dropped (recovery
+    #: pays it).
+    after_commit: AfterCommit | None = None
+    #: True while ``after_commit`` runs: its own commits (marking a record sent) do not
+    #: call it again.
+    settling: bool = False
+
+
+def owe_publish(conn: sqlite3.Connection, dispatch_id: int, run_id: str,
+                delay_s: float = 0.0) -> None:
+    """The transaction in progress wrote dispatch record ``dispatch_id`` unsent."""
+    if isinstance(conn, LedgerConnection):
+        conn.owed.publish.append((dispatch_id, run_id, delay_s))
+
+
+def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:
+    """The transaction in progress may have created an obligation of ``run_id``."""
+    if isinstance(conn, LedgerConnection):
+        conn.owed.deliveries.append(run_id)
 
 
 @contextlib.contextmanager
@@ -209,16 +237,42 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     Rolls back on BaseException too: an asynchronous exception (a time limit, SIGTERM
     turned into SystemExit) can land between BEGIN and COMMIT.
 
-    Writers pass the WriterGate before BEGIN IMMEDIATE (see there for why).
+    Writers pass the WriterGate before BEGIN IMMEDIATE (see there for why).  After the
+    COMMIT, and outside the writer gate, what the transaction owes goes to the
+    connection's ``after_commit`` (ledger/owed.py).
     """
-    if conn.in_transaction:
-        with _savepoint(conn):
-            yield conn
-        return
     ledger_conn = cast(LedgerConnection, conn)  # every connection comes from connect()
+    if conn.in_transaction:
+        mark = ledger_conn.owed.mark()
+        try:
+            with _savepoint(conn):
+                yield conn
+        except BaseException:
+            ledger_conn.owed.undo(mark)
+            raise
+        return
+    ledger_conn.owed.take()  # a debt dropped by a failed settle or a rollback: gone
     with writer_gate(ledger_conn.writer_path).held(ledger_conn.busy_timeout_s):
-        with _immediate(conn):
-            yield conn
+        try:
+            with _immediate(conn):
+                yield conn
+        except BaseException:
+            ledger_conn.owed.take()  # rolled back: nothing of it is owed
+            raise
+    _settle(ledger_conn)
+
+
+def _settle(conn: LedgerConnection) -> None:
+    """Hand what the committed transaction owes to the connection's owner.  Never from
+    inside another settle: the marks it commits owe nothing, and what they might owe
+    waits for the next commit's settle."""
+    if conn.after_commit is None or conn.settling or not conn.owed:
+        return
+    conn.settling = True
+    try:
+        conn.after_commit(conn, conn.owed.take())
+    finally:
+        conn.settling = False
 
 
 @contextlib.contextmanager
@@ -257,10 +311,13 @@ def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
 class ConnectionPool:
     """One connection per (process, thread), opened lazily after any fork."""
 
-    def __init__(self, path: Path, *, synchronous: str, busy_timeout_ms: int) -> None:
+    def __init__(self, path: Path, *, synchronous: str, busy_timeout_ms: int,
+                 after_commit: AfterCommit | None = None) -> None:
         self.path = path
         self.synchronous = synchronous
         self.busy_timeout_ms = busy_timeout_ms
+        #: Given to every connection the pool opens (ledger/owed.py).
+        self.after_commit = after_commit
         self._local = threading.local()
         #: Connections inherited across a fork: never used, never closed (SQLite forbids
         #: touching them in the child, closing included), just kept from the collector.
@@ -274,6 +331,7 @@ class ConnectionPool:
         if conn is None:
             conn = connect(self.path, synchronous=self.synchronous,
                            busy_timeout_ms=self.busy_timeout_ms)
+            cast(LedgerConnection, conn).after_commit = self.after_commit
             self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 

@@ -11,13 +11,22 @@ from ..jsondepth import loads_for_reading
 from . import db
 from .db import NOW
 
+#: The event types that the trigger ``obligations_from_events`` (migration 2) turns into
+#: a callback obligation when their run has a ``callback_url``.
+CALLBACK_EVENTS = frozenset({"run.completed", "run.failed", "run.cancelled",
+                             "run.interrupted", "run.paused", "approval.requested"})
+
 
 def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = None) -> int:
     """Append one event inside the caller's transaction; return its seq.
 
     No race on seq: callers hold the write lock (BEGIN IMMEDIATE), and the primary key
-    (run_id, seq) would reject a duplicate on a database without one.
+    (run_id, seq) would reject a duplicate on a database without one.  An event the
+    trigger may turn into an obligation makes the commit owe a deliverer message
+    (ledger/owed.py): every transition that ends or parks a run passes here.
     """
+    if type_ in CALLBACK_EVENTS:
+        db.owe_deliveries(conn, run_id)
     row = conn.execute(
         "INSERT INTO events (run_id, seq, type, data, created_at) "
         f"SELECT ?, COALESCE(MAX(seq), 0) + 1, ?, ?, {NOW} FROM events WHERE run_id = ? "

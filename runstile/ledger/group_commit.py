@@ -12,8 +12,8 @@ Durability is unchanged: a waiter learns its result only after the COMMIT that h
 it returned, so no answer is sent for anything that is not on disk; if the COMMIT
 fails, every unit of the batch fails with LedgerUnavailable and none was acknowledged.
 
-A unit's work may offer ``run_many(conn, works) -> [(result, refusal), ...]``: the units
-of a batch that share it are then run by one call, so that their writes can be
+A unit's work may be a :class:`BatchWork`, offering ``run_many(conn, works) -> [(result,
+refusal), ...]``: the units of a batch that share it are then run by one call, so that their writes can be
 set-based (admissions: ``ledger.admission.reserve_many``).  Same contract: refusals per unit,
 before writing; any other exception aborts the batch.
 """
@@ -25,13 +25,26 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import LedgerUnavailable, RunstileError
 from . import db
 
 #: Most units one transaction carries; bounds the time the write lock is held.
 MAX_BATCH = 64
+
+
+@runtime_checkable
+class BatchWork(Protocol):
+    """Work that a batch may run together with the other units of its kind."""
+
+    def __call__(self, conn: sqlite3.Connection) -> Any:
+        """The work alone, in its own transaction (the fallback after a failed batch)."""
+
+    def run_many(self, conn: sqlite3.Connection,
+                 works: list[Any]) -> Sequence[tuple[Any, RunstileError | None] | None]:
+        """Every work of the group, in order: ``(result, None)`` or ``(None, refusal)``;
+        raising aborts the batch."""
 
 
 class Unit:
@@ -180,7 +193,7 @@ def _by_kind(batch: Sequence[Unit]) -> list[tuple[Any, list[Unit]]]:
     groups: dict[Any, list[Unit]] = {}
     out: list[tuple[Any, list[Unit]]] = []
     for unit in batch:
-        run_many = getattr(unit.work, "run_many", None)
+        run_many = unit.work.run_many if isinstance(unit.work, BatchWork) else None
         if run_many is None:
             out.append((None, [unit]))
         elif run_many in groups:

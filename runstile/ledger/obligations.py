@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import secrets
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ def insert_deliver(conn: sqlite3.Connection, run: dict[str, Any], *, url: str,
         "occurred_at, next_attempt_at, created_at, updated_at) VALUES (?, ?, ?, 'deliver', "
         f"'task.delivery', ?, ?, {NOW}, {NOW}, {NOW}, {NOW})",
         (obligation_id, run["id"], run["profile_id"], url, payload_json))
+    db.owe_deliveries(conn, run["id"])
     return obligation_id
 
 
@@ -65,18 +67,22 @@ def run_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
     return None if row is None else dict(row)
 
 
-def unsent(conn: sqlite3.Connection, *, run_id: str | None = None, stale_s: float | None = None,
-           grace_s: float = 0.0, limit: int = 500) -> list[str]:
-    """Pending obligations due (``grace_s`` ago) that need a message: none was sent, or
-    (with ``stale_s``) the one sent is that long overdue — a broker can lose messages."""
+def unsent(conn: sqlite3.Connection, *, run_ids: Sequence[str] | None = None,
+           stale_s: float | None = None, grace_s: float = 0.0, limit: int = 500) -> list[str]:
+    """Pending obligations due (``grace_s`` ago) that need a message (of these runs, or
+    of all): none was sent, or (with ``stale_s``) the one sent is that long overdue — a
+    broker can lose messages."""
+    params: dict[str, object] = {"stale": stale_s, "grace": grace_s, "limit": limit}
     stale = "" if stale_s is None else f" OR message_due_at <= {NOW} - :stale"
-    by_run = "" if run_id is None else " AND run_id = :run"
+    by_run = ""
+    if run_ids is not None:
+        params.update({f"r{i}": run_id for i, run_id in enumerate(run_ids)})
+        by_run = f" AND run_id IN ({', '.join(f':r{i}' for i in range(len(run_ids)))})"
     with db.ledger_errors():
         rows = conn.execute(
             "SELECT id FROM obligations WHERE state = 'pending' AND "
             f"next_attempt_at <= {NOW} - :grace AND (message_due_at IS NULL{stale}){by_run} "
-            "ORDER BY next_attempt_at LIMIT :limit",
-            {"stale": stale_s, "grace": grace_s, "run": run_id, "limit": limit}).fetchall()
+            "ORDER BY next_attempt_at LIMIT :limit", params).fetchall()
     return [r[0] for r in rows]
 
 
@@ -233,6 +239,8 @@ def _decide(conn: sqlite3.Connection, obligation_id: str, by: str, event: str, a
             (by, obligation_id, *from_states)).fetchone()
         if row is not None:
             events.append(conn, row["run_id"], event, {"delivery_id": obligation_id, "by": by})
+            if row["state"] == "pending":  # re-armed: its next attempt needs a message
+                db.owe_deliveries(conn, row["run_id"])
             return dict(row), True
         current = conn.execute("SELECT * FROM obligations WHERE id = ?",
                                (obligation_id,)).fetchone()

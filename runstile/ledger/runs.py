@@ -12,20 +12,34 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from ..errors import ListQueryTimeout
 from . import db
+from .broker_queue import NewMessage
 from .db import NOW
 from .keys import Principal
 from .states import RunStatus
 
-#: Called inside the admission transaction after the run row exists, so that an embedded
-#: broker can insert its message in the same transaction (no dual write).  It either
-#: writes the message or raises (rolling the whole transaction back).  It may also offer
-#: ``message(run, dispatch_id) -> broker_queue.NewMessage``: then a batch of admissions
-#: inserts all its messages with one statement (broker_queue.insert_messages).
-Enqueue = Callable[[sqlite3.Connection, dict[str, Any], int], None]
+
+class Enqueue(Protocol):
+    """How a transition that makes a run claimable hands it to the broker, inside the
+    transaction, right after its dispatch record is written.  ``runstile/dispatch.py``
+    builds one per broker and delay (its ``Dispatcher``); the ledger only calls it."""
+
+    #: True: the message itself is written in this transaction (the embedded broker, no
+    #: dual write), so the dispatch record is born sent.  False: the record stays unsent
+    #: and the commit owes its publish (ledger/owed.py); Redis and RabbitMQ.
+    in_transaction: bool
+
+    def __call__(self, conn: sqlite3.Connection, run: dict[str, Any],
+                 dispatch_id: int) -> None:
+        """Write the message (or what the commit owes); raising rolls the whole
+        transaction back."""
+
+    def message(self, run: dict[str, Any], dispatch_id: int) -> NewMessage | None:
+        """The broker row, for a batch of admissions that inserts every message with one
+        statement (``admission_rows``); None: call the enqueue instead."""
 
 
 def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,
@@ -34,14 +48,17 @@ def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,
 
     With an in-transaction ``enqueue`` (the embedded broker) the message is written in
     this same transaction, so the record is born sent; otherwise sent_at stays NULL
-    until a publisher marks it after commit.
+    until a publisher marks it after commit (the enqueue writes that debt down).
+    Without one (admission for Redis/RabbitMQ, whose web process publishes its record
+    itself), nothing is owed here.
     """
     # lastrowid, not RETURNING id: a RETURNING row costs a second sqlite3_step to fetch.
     # (After an INSERT, lastrowid is the new row's id: never None.)
     dispatch_id = cast(int, conn.execute(
         "INSERT INTO dispatches (run_id, attempt, reason, created_at, sent_at) "
         f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END)",
-        (run["id"], run["attempt"], reason, enqueue is not None)).lastrowid)
+        (run["id"], run["attempt"], reason,
+         enqueue is not None and enqueue.in_transaction)).lastrowid)
     if run.get("slot_wait_since") is not None:
         # It waited for a slot of its profile without a message; now it has one, so a
         # freed slot must not be handed to it a second time (ledger/profile_slots.py).

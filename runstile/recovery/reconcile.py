@@ -88,7 +88,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     conn = _open_migrated(settings)
     try:
         started_at = recovery.ledger_now(conn)
-        enqueue = dispatch.in_transaction_enqueue(settings)
+        enqueue = dispatch.Dispatcher(settings).in_transaction
         # 2. Sweep delivery obligations: outbound results go out before any run is
         #    replayed (docs/operations.md, "Recovery").
         _sweep_obligations(settings, conn, report, generation=generation, trigger=trigger)

@@ -14,6 +14,7 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import tasks as registry
 from ..config import Settings
+from ..dispatch import Dispatcher
 from ..ledger.db import ConnectionPool, connect
 from ..ledger.group_commit import GroupCommitter
 from .writer import WriterClient, max_frame
@@ -22,6 +23,8 @@ from .writer import WriterClient, max_frame
 @dataclass
 class WebState:
     settings: Settings
+    #: This process's one dispatcher; the pool's connections settle with it.
+    dispatcher: Dispatcher
     pool: ConnectionPool
     task_names: frozenset[str]
     #: Admissions of this process share write transactions (ledger/group_commit.py),
@@ -54,10 +57,11 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
                                  timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
                                  max_frame=max_frame(settings),
                                  on_unreachable=metrics.WRITER_UNREACHABLE.inc)
+    dispatcher = Dispatcher(settings)
     app.extensions["runstile"] = WebState(
         settings=settings,
-        pool=ConnectionPool(settings.ledger_path, synchronous=settings.synchronous,
-                            busy_timeout_ms=settings.busy_timeout_ms),
+        dispatcher=dispatcher,
+        pool=dispatcher.pool(),
         task_names=frozenset(tasks),
         committer=committer,
         metrics_dir=metrics_dir,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request
 
-from .. import dispatch
 from ..errors import InvalidRequest, RunNotFound
 from ..ledger import approvals, runs
 from ..objects import run_object
@@ -35,7 +34,5 @@ def decide(run_id: str) -> Response:
                              field="approval_id")
     if decision not in approvals.DECISIONS:
         raise InvalidRequest("decision must be 'approve' or 'deny'", field="decision")
-    run = approvals.decide(conn(), run_id, approval_id, decision,
-                           dispatch.in_transaction_enqueue(state().settings))
-    dispatch.publish_pending(state().settings, conn(), run_ids=[run_id])  # Redis/RabbitMQ
+    run = approvals.decide(conn(), run_id, approval_id, decision, state().dispatcher.enqueue)
     return jsonify(run_object(run))

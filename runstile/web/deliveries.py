@@ -11,12 +11,11 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from .. import dispatch
 from ..errors import DeliveryInFlight, DeliveryNotFound, DeliverySettled, RunNotFound
 from ..ledger import obligations, runs
 from ..objects import delivery_object
 from .auth import authenticate, principal
-from .state import conn, state
+from .state import conn
 
 blueprint = Blueprint("deliveries", __name__)
 
@@ -57,8 +56,7 @@ def retry_delivery(delivery_id: str) -> Response:
     row, changed = decided
     if not changed and row["state"] in ("delivered", "discarded"):
         raise DeliverySettled(f"the delivery is {row['state']}")
-    if changed:
-        dispatch.send_deliveries(state().settings, conn(), run_id=row["run_id"])
+    if changed:  # its commit sent the re-armed delivery's message (ledger/owed.py)
         current = obligations.get(conn(), delivery_id)
         if current is None:  # not expected: retention keeps a run that owes a delivery
             raise DeliveryNotFound("no such delivery")

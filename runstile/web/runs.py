@@ -67,7 +67,7 @@ def create_run() -> Response:
         req, refusal = admission.build(current, principal(),
                                        settings=settings, task_names=web.task_names)
         admitted = admit(None, req, refusal=refusal, max_active_runs=settings.max_active_runs,
-                         enqueue=dispatch.in_transaction_enqueue(settings),
+                         enqueue=web.dispatcher.in_transaction,
                          committer=web.committer)
         crashpoints.hit(settings, "after_admit_commit")
         if not admitted.replayed and admitted.dispatch_id is not None:
@@ -104,19 +104,12 @@ def stop_run(run_id: str) -> Response:
     running body is being stopped.  Repeats are harmless (docs/api.md,
     "POST /v1/runs/{run_id}/stop — stop a run")."""
     visible_run(run_id)
-    stopped = execution.stop(conn(), run_id,
-                             enqueue=dispatch.in_transaction_enqueue(state().settings))
+    # A cancel may free the run's session and owe its callback a notice: the commit
+    # pays both (docs/architecture.md, "What a commit owes").
+    stopped = execution.stop(conn(), run_id, enqueue=state().dispatcher.enqueue)
     if stopped is None:
         raise RunNotFound("no such run")
     run, settled = stopped
-    if settled and run["session_key"] is not None:
-        # Cancelling a waiting run may free its session: publish the next run's dispatch
-        # (Redis/RabbitMQ; the embedded broker's message committed with the stop).
-        dispatch.publish_pending(state().settings, conn(), session=(
-            run["profile_id"], run["key_id"], run["session_key"]))
-    if settled and run["callback_url"] is not None:
-        # A cancel here created the run's callback obligation: hand it to a deliverer.
-        dispatch.send_deliveries(state().settings, conn(), run_id=run_id)
     response = jsonify(run_object(run))
     response.status_code = 200 if settled else 202
     return response
@@ -128,12 +121,11 @@ def resume_run(run_id: str) -> Response:
     "POST /v1/runs/{run_id}/resume — resume a paused run")."""
     run = visible_run(run_id)
     resumed = execution.requeue(conn(), run_id, from_statuses=("paused",), reason="resumed",
-                                event_type="run.resumed",
-                                enqueue=dispatch.in_transaction_enqueue(state().settings))
+                                event_type="run.resumed", enqueue=state().dispatcher.enqueue)
     if resumed is None:
         current = runs.get_visible(conn(), principal(), run_id) or run
-        raise RunNotPaused(f"the run is {current['status']}, not paused", run_status=current["status"])
-    dispatch.publish_pending(state().settings, conn(), run_ids=[run_id])  # Redis/RabbitMQ
+        raise RunNotPaused(f"the run is {current['status']}, not paused",
+                           run_status=current["status"])
     return jsonify(run_object(resumed))
 
 

@@ -47,15 +47,20 @@ FINISH_RETRY_S = 0.2
 
 
 class Executor:
-    """Everything ``execute_run`` needs, built once per worker process."""
+    """Everything ``execute_run`` needs, built once per worker process.
+
+    What a transition owes after its commit (a freed session's next run, a freed profile
+    slot's waiter, a callback) is paid by the dispatcher its pool's connections settle
+    with (docs/architecture.md, "What a commit owes"): nothing here remembers it.
+    """
 
     def __init__(self, settings: Settings, broker: dramatiq.Broker, *, node: str,
-                 generation: int, executions: Executions, pool: ConnectionPool) -> None:
+                 generation: int, executions: Executions, pool: ConnectionPool,
+                 dispatcher: dispatch.Dispatcher) -> None:
         self.settings, self.broker = settings, broker
         self.node, self.generation = node, generation
         self.executions, self.pool = executions, pool
-        #: How transitions that free a session hand its next run to the broker.
-        self.enqueue = dispatch.in_transaction_enqueue(settings)
+        self.dispatcher = dispatcher
 
     def owner(self) -> Owner:
         return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
@@ -65,7 +70,8 @@ class Executor:
         conn = self.pool.get()
         try:
             claim = execution.claim(
-                conn, run_id, owner, lease_s=self.settings.lease_s, enqueue=self.enqueue,
+                conn, run_id, owner, lease_s=self.settings.lease_s,
+                enqueue=self.dispatcher.enqueue,
                 task_known=lambda name: registry.get(name) is not None,
                 max_running_per_profile=self.settings.max_running_per_profile)
         except LedgerUnavailable as exc:
@@ -80,88 +86,72 @@ class Executor:
         if claim.run is None:
             log.info("run %s: claim lost (%s); message acknowledged as a no-op (dispatch %s)",
                      run_id, claim.outcome, dispatch_id)
-            if claim.outcome == "unknown_task":  # failed at claim: its callback is owed
-                dispatch.send_deliveries(self.settings, conn, run_id=run_id)
             return
-        self._execute(claim.run, owner, conn)
+        outcome = self._body(claim.run, owner, conn)
+        if outcome is not None:
+            self._aftermath(claim.run, owner, outcome)
 
-    def _execute(self, run: dict, owner: Owner, conn) -> None:
+    def _body(self, run: dict, owner: Owner, conn) -> dict | None:
+        """Run the task body; the outcome to record, or None when there is nothing left
+        to record here (the body unwound through a transition of its own — a pause, a
+        parked approval, a time limit — or the run is no longer this worker's)."""
         spec = registry.get(run["task"])
         assert spec is not None  # the claim refuses a run of a task not registered here
         item = self.executions.begin(run["id"], owner, spec.time_limit_s)
-        outcome: dict | None = None
         try:
             try:
                 ctx = RunContext(run, owner, conn, stop_requested=lambda: item.stop_requested,
                                  lease_lost=lambda: item.lost,
                                  on_step_started=lambda: crashpoints.hit(self.settings,
                                                                          "after_step_start"),
-                                 enqueue=self.enqueue,
+                                 enqueue=self.dispatcher.enqueue,
                                  allowlist=self.settings.callback_allowlist,
-                                 on_delivery=lambda: dispatch.send_deliveries(
-                                     self.settings, self.pool.get(), run_id=run["id"]),
                                  max_payload_bytes=self.settings.max_result_bytes)
-                value = self._call(spec, ctx, json.loads(run["input"]))
-                outcome = self._completed(value)
+                outcome = self._completed(self._call(spec, ctx, json.loads(run["input"])))
             except Stopped:
                 # The stop was seen (or its grace ran out): the run ends cancelled.
                 outcome = {"status": "cancelled"}
                 log.info("run %s: body stopped on request", run["id"])
             except Interrupt:
                 raise
-            except BaseException as exc:  # the task's own failure: recorded, not re-raised
-                # SystemExit from a body is a failure of that run, not of the worker.
-                # runstile's own errors (invalid_event, ...) keep their stable code;
-                # anything else the task raised is task_error with its class and text.
-                log.warning("run %s: task %s raised", run["id"], run["task"], exc_info=True)
-                code = exc.code if isinstance(exc, RunstileError) else "task_error"
-                outcome = {"status": "failed", "error_code": code,
-                           "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
+            except BaseException as exc:  # noqa: BLE001 - the task's own failure: logged
+                outcome = self._failed(run, exc)  # and recorded by _failed, not re-raised
             finally:
                 still_ours = self.executions.finishing(item)
         except (LeaseLostInterrupt, TimeLimitInterrupt, PausedInterrupt, ApprovalParked) as exc:
+            # Each but a lost lease is a transition already committed (and settled).
             log.info("run %s: body unwound (%s)", run["id"], type(exc).__name__)
-            if not isinstance(exc, LeaseLostInterrupt):
-                # A pause, a parked approval or a time limit may owe its callback a notice.
-                dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
-                # And each freed the run's profile slot (all but the approval wait, its
-                # session too): publish what that dispatched.
-                self._publish_successors(run)
-            return
+            return None
         except Stopped:
             # The grace interrupt landed after the body had already returned: still a stop.
             outcome, still_ours = {"status": "cancelled"}, True
         finally:
             self.executions.end(item)
-        if not still_ours:
-            return
+        return outcome if still_ours else None
+
+    @staticmethod
+    def _failed(run: dict, exc: BaseException) -> dict:
+        # SystemExit from a body is a failure of that run, not of the worker.  runstile's
+        # own errors (invalid_event, ...) keep their stable code; anything else the task
+        # raised is task_error with its class and text.  The traceback goes to the log.
+        log.warning("run %s: task %s raised", run["id"], run["task"], exc_info=True)
+        code = exc.code if isinstance(exc, RunstileError) else "task_error"
+        return {"status": "failed", "error_code": code,
+                "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
+
+    def _aftermath(self, run: dict, owner: Owner, outcome: dict) -> None:
+        """Record what the body came to: a retry, or the run's terminal status."""
         crashpoints.hit(self.settings, "after_body")
+        spec = registry.get(run["task"])
+        assert spec is not None
         if outcome["status"] == "failed" and self._retry(run, owner, spec, outcome):
             return
-        finished = self._finish(run["id"], owner, outcome)
-        if finished is None:
+        if self._finish(run["id"], owner, outcome) is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])
             return
+        # If this process dies here, recovery's sweep sends what the finish owed.
         crashpoints.hit(self.settings, "after_finish")
-        if finished["callback_url"] is not None:
-            # The terminal write created the callback obligation; hand it to a deliverer
-            # now (if this process dies first, recovery's sweep sends it).
-            dispatch.send_deliveries(self.settings, self.pool.get(), run_id=run["id"])
-        # The run freed its session and its profile slot: publish what that dispatched.
-        self._publish_successors(finished)
-
-    def _publish_successors(self, run: dict) -> None:
-        """After a transition that freed ``run``'s session or profile slot: publish the
-        dispatch records it wrote (Redis/RabbitMQ; the embedded broker's messages
-        committed with the transition).  With a cap, every unsent record of the profile:
-        its session's next run is one of them."""
-        if self.settings.max_running_per_profile is not None:
-            dispatch.publish_pending(self.settings, self.pool.get(),
-                                     profile=run["profile_id"])
-        elif run["session_key"] is not None:
-            dispatch.publish_pending(self.settings, self.pool.get(), session=(
-                run["profile_id"], run["key_id"], run["session_key"]))
 
     def _retry(self, run: dict, owner: Owner, spec: registry.TaskSpec, outcome: dict) -> bool:
         """Task retries (docs/tasks.md, "Registering a task"): a raising body with retries
@@ -175,20 +165,14 @@ class Executor:
                 self.pool.get(), run["id"], from_statuses=("running",), reason="retry",
                 owner=owner, event_data={"error": {"code": outcome["error_code"],
                                                    "message": outcome["error_message"]}},
-                enqueue=dispatch.in_transaction_enqueue(self.settings,
-                                                        delay_s=spec.retry_backoff_s))
+                enqueue=self.dispatcher.delayed(spec.retry_backoff_s))
         except LedgerUnavailable:
             return False  # record the failure instead (finish retries while the lease lasts)
-        if requeued is not None:
-            log.info("run %s: attempt %d failed; retry as attempt %d in %.1fs", run["id"],
-                     run["attempt"], requeued["attempt"], spec.retry_backoff_s)
-            # Redis/RabbitMQ: publish the re-queue's dispatch now, as a delayed message,
-            # then whatever the slot it left was handed to.
-            dispatch.publish_pending(self.settings, self.pool.get(), run_ids=[run["id"]],
-                                     delay_s=spec.retry_backoff_s)
-            self._publish_successors(requeued)
-            return True
-        return False
+        if requeued is None:
+            return False
+        log.info("run %s: attempt %d failed; retry as attempt %d in %.1fs", run["id"],
+                 run["attempt"], requeued["attempt"], spec.retry_backoff_s)
+        return True
 
     def _finish(self, run_id: str, owner: Owner, outcome: dict) -> dict | None:
         """Record the outcome, retrying a briefly unavailable ledger while the lease
@@ -198,7 +182,7 @@ class Executor:
         while True:
             try:
                 return execution.finish(self.pool.get(), run_id, owner, **outcome,
-                                        enqueue=self.enqueue)
+                                        enqueue=self.dispatcher.enqueue)
             except LedgerUnavailable as exc:
                 self.pool.discard()
                 if time.monotonic() >= deadline:

@@ -21,6 +21,7 @@ from ..errors import InvalidCallbackUrl, LeaseLost, RunstileError, RunStopping
 from ..jsondepth import MAX_DEPTH, text_too_deep
 from ..ledger import approvals, execution, journal
 from ..ledger.execution import Owner
+from ..ledger.runs import Enqueue
 from ..netguard import callback_refusal
 
 #: Largest event payload a task may emit, in bytes of JSON (docs/tasks.md,
@@ -111,8 +112,7 @@ class RunContext:
                  stop_requested: Callable[[], bool] = lambda: False,
                  lease_lost: Callable[[], bool] = lambda: False,
                  on_step_started: Callable[[], None] = lambda: None,
-                 enqueue=None, allowlist: tuple[str, ...] = (),
-                 on_delivery: Callable[[], object] = lambda: None,
+                 enqueue: Enqueue | None = None, allowlist: tuple[str, ...] = (),
                  max_payload_bytes: int = 1024 * 1024) -> None:
         self.run_id: str = run["id"]
         self.attempt: int = run["attempt"]
@@ -126,7 +126,6 @@ class RunContext:
         self._on_step_started = on_step_started
         self._enqueue = enqueue
         self._allowlist = allowlist
-        self._on_delivery = on_delivery
         self._max_payload_bytes = max_payload_bytes
         self._journal = journal.entries(conn, self.run_id)
         self._position = 0
@@ -219,7 +218,7 @@ class RunContext:
             raise LeaseLostInterrupt(self.run_id) from None
         except RunStopping:
             raise Stopped(self.run_id) from None
-        self._on_delivery()
+        # Its commit owed a deliverer message, already sent (ledger/owed.py).
         return delivery_id
 
     # ------------------------------------------------------------ approvals

@@ -90,10 +90,12 @@ class LeaseKeeper(threading.Thread):
     """The process's heartbeat thread."""
 
     def __init__(self, settings: Settings, node: str, generation: int, pid: int,
-                 executions: Executions, pool: ConnectionPool) -> None:
+                 executions: Executions, dispatcher: dispatch.Dispatcher,
+                 pool: ConnectionPool) -> None:
         super().__init__(name="runstile-heartbeat", daemon=True)
         self.settings, self.node, self.generation, self.pid = settings, node, generation, pid
-        self.executions, self.pool = executions, pool
+        #: ``pool`` settles with ``dispatcher``: a time limit's finish pays what it owes.
+        self.executions, self.dispatcher, self.pool = executions, dispatcher, pool
         self._stop_event = threading.Event()
         #: How often time limits are checked; heartbeats run every heartbeat_s.
         self.tick_s = min(0.25, settings.heartbeat_s)
@@ -146,7 +148,7 @@ class LeaseKeeper(threading.Thread):
                     self.pool.get(), item.run_id, item.owner, status="failed",
                     error_code="time_limit_exceeded",
                     error_message="the task ran past its time_limit_s",
-                    enqueue=dispatch.in_transaction_enqueue(self.settings))
+                    enqueue=self.dispatcher.enqueue)
             except RunstileError as exc:
                 log.warning("run %s: could not record its time limit: %s", item.run_id,
                             exc.message)

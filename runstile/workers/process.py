@@ -14,6 +14,7 @@ import time
 
 import dramatiq
 
+from .. import dispatch
 from .. import tasks as registry
 from ..config import Settings
 from ..errors import RunstileError
@@ -36,16 +37,18 @@ def run(settings: Settings, generation: int) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s [worker %(process)d] %(message)s")
     registry.load(settings.tasks)
-    pool = ConnectionPool(settings.ledger_path, synchronous=settings.synchronous,
-                          busy_timeout_ms=settings.busy_timeout_ms)
+    # One dispatcher per process; every connection of its pool settles with it.
+    dispatcher = dispatch.Dispatcher(settings)
+    pool = dispatcher.pool()
     broker = make_broker(settings)
     executions = Executions()
     executor = actors.Executor(settings, broker, node=settings.node_id, generation=generation,
-                               executions=executions, pool=pool)
+                               executions=executions, pool=pool, dispatcher=dispatcher)
     actors.declare(broker, executor)
     delivery.declare(broker, delivery.Deliverer(settings, pool, node=settings.node_id,
                                                 generation=generation))
-    keeper = LeaseKeeper(settings, settings.node_id, generation, os.getpid(), executions, pool)
+    keeper = LeaseKeeper(settings, settings.node_id, generation, os.getpid(), executions,
+                         dispatcher, pool)
     keeper.start()
     # Before the first message: a stop signal from now on is a drain (never an
     # Event.set() in a handler, which can deadlock: see runstile/signals.py).

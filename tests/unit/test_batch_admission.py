@@ -9,6 +9,7 @@ import secrets
 import pytest
 
 from runstile import dispatch
+from runstile.config import Settings
 from runstile.errors import (
     CapacityExceeded,
     IdempotencyKeyConflict,
@@ -18,7 +19,7 @@ from runstile.errors import (
 from runstile.ledger import admission, db, group_commit, keys, migrations
 from runstile.ledger.keys import Principal
 
-ENQUEUE = dispatch._embedded_enqueue
+ENQUEUE = dispatch.Dispatcher(Settings()).enqueue
 
 
 @pytest.fixture

@@ -130,7 +130,7 @@ class LedgerMachine(RuleBasedStateMachine):
                                  max_running_per_profile=MAX_RUNNING_PER_PROFILE)
         migrations.migrate(self.settings.ledger_path, synchronous="OFF")
         self.conn = db.connect(self.settings.ledger_path, synchronous="OFF")
-        self.enqueue = dispatch.in_transaction_enqueue(self.settings)
+        self.enqueue = dispatch.Dispatcher(self.settings).enqueue
         self.principals = []
         for profile in ("p1", "p1", "p2"):
             key_id, _ = keys.create(self.conn, profile)

@@ -22,7 +22,7 @@ from runstile.recovery import reconcile
 
 registry.load(("tests.workers.exec_tasks",))
 
-ENQUEUE = dispatch.in_transaction_enqueue(Settings())
+ENQUEUE = dispatch.Dispatcher(Settings()).enqueue
 OWNER = Owner("node-a", 1, 4242, 1)
 
 

@@ -123,11 +123,11 @@ def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
 def requeue_running(ledger, rid: str) -> dict:
     """Re-queue a running run through the ledger API, as recovery does for a lost owner."""
     from runstile import dispatch
+    from runstile.config import Settings
     conn = ledger.connect()
     try:
         return execution.requeue(conn, rid, from_statuses=("running",), reason="test_rerun",
-                                 enqueue=dispatch.in_transaction_enqueue(
-                                     __import__("runstile.config", fromlist=["x"]).Settings()))
+                                 enqueue=dispatch.Dispatcher(Settings()).enqueue)
     finally:
         conn.close()
 
@@ -246,6 +246,7 @@ def test_a_run_whose_task_is_gone_fails_unknown_task_at_claim(make_system, ledge
     wait_for_status(api, rid)
     # A run queued for a task the workers no longer register (edited in while queued).
     from runstile import dispatch
+    from runstile.config import Settings
     from runstile.fingerprint import fingerprint
     from runstile.ledger import admission
     from runstile.ledger.keys import Principal
@@ -255,7 +256,7 @@ def test_a_run_whose_task_is_gone_fails_unknown_task_at_claim(make_system, ledge
         metadata_json=None, callback_url=None, fingerprint=fingerprint({"task": "retired"}),
         fingerprint_version=1)
     gone = admission.admit(conn, request, refusal=None, max_active_runs=100,
-                      enqueue=dispatch._embedded_enqueue).run["id"]
+                      enqueue=dispatch.Dispatcher(Settings()).enqueue).run["id"]
     conn.close()
     run = wait_for_status(api, gone)
     assert run["status"] == "failed" and run["error"]["code"] == "unknown_task"

@@ -86,7 +86,7 @@ class _Writer:
         """Everything the loop needs, and the socket web processes connect to."""
         settings = self.settings
         self.limit = max_frame(settings)
-        self.enqueue = dispatch.in_transaction_enqueue(settings)
+        self.enqueue = dispatch.Dispatcher(settings).in_transaction
         self.batches = group_commit.Batches(lambda: db.connect(
             settings.ledger_path, synchronous=settings.synchronous,
             busy_timeout_ms=settings.busy_timeout_ms))
