@@ -42,6 +42,17 @@ class LedgerCorrupt(RunstileError):
     status = 503
 
 
+class AdmissionWriterFailed(RunstileError):
+    """Raised when the admission writer met an unexpected error on a request (a bug; the
+    writer logs it): answered 500 internal_error, and nothing of the request committed."""
+
+
+class ReplayUndecided(RunstileError):
+    """Raised when a body re-runs past a journaled approval request that has no decision
+    (a run re-queued while waiting for its approval): the run fails instead of asking
+    twice."""
+
+
 class Unauthorized(RunstileError):
     """Raised when a request has no valid, unrevoked API key."""
 

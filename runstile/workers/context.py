@@ -17,7 +17,13 @@ from typing import Any, cast
 
 import rfc8785
 
-from ..errors import InvalidCallbackUrl, LeaseLost, RunstileError, RunStopping
+from ..errors import (
+    InvalidCallbackUrl,
+    LeaseLost,
+    ReplayUndecided,
+    RunstileError,
+    RunStopping,
+)
 from ..jsondepth import MAX_DEPTH, text_too_deep
 from ..ledger import approvals, execution, journal
 from ..ledger.execution import Owner
@@ -237,7 +243,7 @@ class RunContext:
                 self._replay_mismatch(position, entry, "approval", "request_approval")
             decision = json.loads(entry.result or "{}").get("decision")
             if decision is None:
-                raise RuntimeError("the run was re-queued while its approval is undecided")
+                raise ReplayUndecided("the run was re-queued while its approval is undecided")
             return decision == "approve"
         parked = approvals.request(self._conn, self.run_id, self._owner, position=position,
                                    args_hash=digest, details=json.loads(encoded),

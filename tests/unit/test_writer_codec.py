@@ -125,8 +125,9 @@ def test_a_uniqueness_race_comes_back_as_an_admission_race_for_admit_to_re_read(
 
 
 def test_a_bug_in_the_writer_is_a_server_error_not_a_refusal():
-    with pytest.raises(RuntimeError, match="KeyError"):
+    with pytest.raises(errors.AdmissionWriterFailed, match="KeyError") as raised:
         writer.decode_outcome(writer.encode_outcome(unit_with(error=KeyError("x"))))
+    assert (raised.value.status, raised.value.code) == (500, "internal_error")
 
 
 def test_an_error_class_this_version_does_not_know_is_still_a_runstile_error():

@@ -32,7 +32,7 @@ from typing import Any, TypeVar, get_type_hints
 
 from ... import errors
 from ...config import Settings
-from ...errors import AdmissionRace, RunstileError
+from ...errors import AdmissionRace, AdmissionWriterFailed, RunstileError
 from ...ledger import admission, group_commit, runs
 
 #: The length before each frame's payload.
@@ -173,4 +173,4 @@ def decode_outcome(data: bytes) -> admission.Admitted:
         raise _error_from(outcome[1:])
     if kind == "race":
         raise AdmissionRace(outcome[1])
-    raise RuntimeError(f"the admission writer failed: {outcome[1]}")
+    raise AdmissionWriterFailed(f"the admission writer failed: {outcome[1]}")

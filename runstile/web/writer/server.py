@@ -22,6 +22,7 @@ import sys
 
 from ... import crashpoints, dispatch
 from ...config import Settings
+from ...errors import AdmissionWriterFailed
 from ...ledger import db, group_commit
 from .codec import LENGTH, decode_request, encode_outcome, frame, max_frame
 
@@ -37,7 +38,7 @@ _READ_BYTES = 256 * 1024
 
 def _never_run(conn: sqlite3.Connection) -> None:
     """The work of a unit that failed before it had any: settling skips it."""
-    raise RuntimeError("an unreadable admission request is never committed")
+    raise AdmissionWriterFailed("an unreadable admission request is never committed")
 
 
 class _Connection:
