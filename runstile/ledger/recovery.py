@@ -86,48 +86,51 @@ _TERMINAL: dict[str, tuple[str, str | None, str | None]] = {
                     "the worker running this run stopped before it finished")}
 
 
+#: What every move out of an owner's hands resets (the guard proved the owner gone).
+_CLEAR_OWNER = ("owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
+                "owner_thread = NULL, lease_expires_at = NULL, interruption = NULL, "
+                f"recovery_attempts = recovery_attempts + 1, updated_at = {NOW}")
+
+
+def _move(conn: sqlite3.Connection, run: dict[str, Any], assignments: str,
+          args: tuple[object, ...]) -> dict[str, Any] | None:
+    """One UPDATE guarded on the run as classified (status, owner, lease); the row as it
+    now is, or None if the guard lost (the owner came back, or another pass won)."""
+    row = conn.execute(f"UPDATE runs SET {assignments}, {_CLEAR_OWNER} WHERE {_GUARD} "
+                       "RETURNING *", (*args, *_guard_args(run))).fetchone()
+    return None if row is None else dict(row)
+
+
 def apply(conn: sqlite3.Connection, run: dict[str, Any], klass: str, reason: str | None,
           enqueue: Enqueue | None) -> bool:
     """Move ``run`` to ``klass`` in the caller's transaction; False if the guard lost."""
-    clear_owner = ("owner_node = NULL, owner_generation = NULL, owner_pid = NULL, "
-                   "owner_thread = NULL, lease_expires_at = NULL, interruption = NULL, "
-                   f"recovery_attempts = recovery_attempts + 1, updated_at = {NOW}")
     if klass == "requeued":
-        row = conn.execute(
-            f"UPDATE runs SET status = 'queued', attempt = attempt + 1, recovery_reason = ?, "
-            f"{clear_owner} WHERE {_GUARD} RETURNING *", (reason, *_guard_args(run))).fetchone()
+        row = _move(conn, run, "status = 'queued', attempt = attempt + 1, recovery_reason = ?",
+                    (reason,))
         if row is None:
             return False
-        row = dict(row)
         events.append(conn, run["id"], "run.requeued",
                       {"reason": reason, "attempt": row["attempt"]})
         add_dispatch(conn, row, "recovered", enqueue)
-        profile_slots.dispatch_next(conn, run, enqueue)
-        return True
-    if klass == "paused":
-        row = conn.execute(
-            f"UPDATE runs SET status = 'paused', recovery_reason = ?, {clear_owner} "
-            f"WHERE {_GUARD} RETURNING id", (reason, *_guard_args(run))).fetchone()
-        if row is None:
+    elif klass == "paused":
+        if _move(conn, run, "status = 'paused', recovery_reason = ?", (reason,)) is None:
             return False
         data: dict[str, Any] = {"reason": reason}
         if reason == "uncertain_side_effect":
             data["steps"] = uncertain_steps(conn, run["id"])
         events.append(conn, run["id"], "run.paused", data)
         sessions.dispatch_next(conn, run, enqueue)
-        profile_slots.dispatch_next(conn, run, enqueue)
-        return True
-    status, code, message = _TERMINAL[klass]
-    row = conn.execute(
-        f"UPDATE runs SET status = ?, error_code = ?, error_message = ?, recovery_reason = ?, "
-        f"finished_at = {NOW}, {clear_owner} WHERE {_GUARD} RETURNING id",
-        (status, code, message, reason, *_guard_args(run))).fetchone()
-    if row is None:
-        return False
-    events.append(conn, run["id"], f"run.{status}",
-                  {"reason": reason} if code is None else
-                  {"reason": reason, "error": {"code": code, "message": message}})
-    sessions.dispatch_next(conn, run, enqueue)
+    else:
+        status, code, message = _TERMINAL[klass]
+        if _move(conn, run, f"status = ?, error_code = ?, error_message = ?, "
+                 f"recovery_reason = ?, finished_at = {NOW}",
+                 (status, code, message, reason)) is None:
+            return False
+        events.append(conn, run["id"], f"run.{status}",
+                      {"reason": reason} if code is None else
+                      {"reason": reason, "error": {"code": code, "message": message}})
+        sessions.dispatch_next(conn, run, enqueue)
+    # Out of running or stopping: the run's profile slot is free for a waiting run.
     profile_slots.dispatch_next(conn, run, enqueue)
     return True
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import sqlite3
 import time
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from .. import crashpoints, dispatch
 from .. import tasks as registry
@@ -29,6 +30,7 @@ from ..ledger import (
     retention,
     sessions,
 )
+from ..ledger.runs import Enqueue
 
 log = logging.getLogger("runstile.recovery")
 
@@ -80,80 +82,53 @@ def _on_crash(task: str) -> str:
     return spec.on_crash if spec is not None else "interrupt"
 
 
+@dataclass
+class _Pass:
+    """What every step of one pass works with."""
+
+    settings: Settings
+    conn: sqlite3.Connection
+    report: Report
+    generation: int
+    trigger: str
+    #: The embedded broker's enqueue, or None (Redis/RabbitMQ: the pass publishes and
+    #: counts its own records, step 4).
+    enqueue: Enqueue | None
+    #: The ledger's clock when the pass began (step 4 publishes what it wrote since).
+    started_at: float
+
+    @property
+    def grace_s(self) -> float:
+        """A scheduled pass leaves rows younger than UNSENT_GRACE_S to the process that
+        wrote them; boot and `runstile recover` take every one."""
+        return UNSENT_GRACE_S if self.trigger == "scheduled" else 0.0
+
+    @property
+    def stale_s(self) -> float:
+        """How long a message may be overdue before it is taken as lost."""
+        return REPUBLISH_AFTER_LEASES * self.settings.lease_s
+
+
 def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
-    """One complete, idempotent recovery pass; returns its report (also recorded)."""
+    """One complete, idempotent recovery pass, its steps in the order of
+    docs/operations.md, "Recovery"; returns its report (also recorded)."""
     started = time.monotonic()
     report = Report(settings.node_id, generation, trigger)
-    # 1. Migrate / check the ledger.
-    conn = _open_migrated(settings)
+    conn = _open_migrated(settings)  # 1. migrate / check the ledger
     try:
-        started_at = recovery.ledger_now(conn)
-        enqueue = dispatch.Dispatcher(settings).in_transaction
-        # 2. Sweep delivery obligations: outbound results go out before any run is
-        #    replayed (docs/operations.md, "Recovery").
-        _sweep_obligations(settings, conn, report, generation=generation, trigger=trigger)
-        # 3. Reconcile the journal: runs whose owner is gone, batch by batch.
-        batches = 0
-        while True:
-            with db.transaction(conn):
-                batch = recovery.orphaned(conn, node_id=settings.node_id,
-                                          generation=generation, limit=CLASSIFY_BATCH)
-                uncertain = recovery.uncertain_among(conn, [run["id"] for run in batch])
-                terminal = []
-                for run in batch:
-                    klass, reason = recovery.classify(
-                        conn, run, on_crash=_on_crash(run["task"]),
-                        budget=settings.recovery_budget, uncertain=run["id"] in uncertain)
-                    if klass in ("interrupted", "cancelled"):
-                        terminal.append((run, klass, reason))  # set-based, below
-                    elif recovery.apply(conn, run, klass, reason, enqueue):
-                        report.counts[klass] += 1
-                        log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
-                    crashpoints.hit(settings, "mid_recovery")
-                won = set(recovery.apply_terminal_many(conn, terminal, enqueue))
-                for run, klass, reason in terminal:
-                    if run["id"] in won:
-                        report.counts[klass] += 1
-                        log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
-            if len(batch) < CLASSIFY_BATCH:
-                break
-            batches += 1
-            if batches % CHECKPOINT_EVERY_BATCHES == 0:
-                _checkpoint(conn)  # keeps the WAL bounded; no lock held here
-        # Step 3 may have ended or paused runs that have a callback: send those now.
-        report.counts["deliveries_sent"] += dispatch.send_deliveries(settings, conn)
-        # 4. Re-publish unsent dispatch records, and runs still queued long after their
-        #    dispatch without a live message (a broker can lose messages).
-        if enqueue is None:
-            _republish_external(settings, conn, report, trigger=trigger, since=started_at)
-        else:
-            while True:
-                with db.transaction(conn):
-                    stale = recovery.stranded_queued(
-                        conn, older_than_s=REPUBLISH_AFTER_LEASES * settings.lease_s,
-                        limit=BATCH)
-                    for run in stale:
-                        if recovery.republish(conn, run, enqueue):
-                            report.counts["republished"] += 1
-                if len(stale) < BATCH:
-                    break
-        # 5. Dispatch the head of every session left without a holder (its freeing
-        #    transition dispatched it already; this covers a message lost since), and the
-        #    runs waiting for a free slot of their profile.
-        with db.transaction(conn):
-            for head in sessions.heads_without_dispatch(conn, limit=BATCH):
-                if head["updated_at"] is not None and recovery.ledger_now(conn) - \
-                        head["updated_at"] > REPUBLISH_AFTER_LEASES * settings.lease_s:
-                    if recovery.republish(conn, head, enqueue) if enqueue else False:
-                        report.counts["session_heads"] += 1
-        _dispatch_slot_waiters(settings, conn, report, enqueue)
-        # 6. Purge by retention, in bounded batches.
-        _purge(settings, conn, report)
-        # 7. Record the report (the barrier is opened by the caller).
+        step = _Pass(settings, conn, report, generation, trigger,
+                     enqueue=dispatch.Dispatcher(settings).in_transaction,
+                     started_at=recovery.ledger_now(conn))
+        _sweep_obligations(step)       # 2. outbound results first
+        _reconcile_journal(step)       # 3. runs whose owner is gone
+        _republish(step)               # 4. records unsent, messages lost
+        _dispatch_session_heads(step)  # 5. sessions without a holder ...
+        _dispatch_slot_waiters(step)   #    ... and runs waiting for a profile's slot
+        _purge(step)                   # 6. retention
         report.duration_s = time.monotonic() - started
-        report.report_id = recovery.record_report(
+        report.report_id = recovery.record_report(  # 7. the report
             conn, node_id=settings.node_id, generation=generation, trigger=trigger,
-            started_at=started_at,
+            started_at=step.started_at,
             counts={**report.as_dict()["counts"], "duration_s": report.duration_s})
         # The pass's commits left their pages in the WAL (see recovery.open_pass): copy
         # them back now, holding no lock that a writer waits for.  After the report, so
@@ -169,26 +144,6 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     log.log(level, "recovery (%s, generation %d): %s in %.3fs", trigger, generation,
             counts or "nothing to do", report.duration_s)
     return report
-
-
-def _purge(settings: Settings, conn, report: Report) -> None:
-    """Step 6: runs past retention and expired tombstones, dead-lettered broker messages,
-    and old recovery reports, each in bounded batches."""
-    for _ in range(MAX_PURGE_BATCHES):
-        purged = retention.purge(conn, run_retention_s=settings.run_retention_s,
-                                 key_tombstone_s=settings.key_tombstone_s, batch=BATCH)
-        report.counts["purged"] += purged.runs
-        report.counts["tombstones_expired"] += purged.tombstones
-        if purged.runs < BATCH:
-            break
-    report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
-        conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
-    for _ in range(MAX_PURGE_BATCHES):
-        pruned = retention.prune_reports(conn, younger_than_s=settings.run_retention_s,
-                                         batch=BATCH)
-        report.counts["reports_pruned"] += pruned
-        if pruned < BATCH:
-            break
 
 
 def _checkpoint(conn) -> None:
@@ -220,74 +175,159 @@ def _open_migrated(settings: Settings):
     return conn
 
 
-def _sweep_obligations(settings: Settings, conn, report: Report, *, generation: int,
-                       trigger: str) -> None:
+def _sweep_obligations(p: _Pass) -> None:
     """Step 2: attempts whose deliverer is gone go back to pending (ambiguous: the next
     send says ``"recovered": true``), then every pending, due obligation without a
     message gets one, as does one whose message is REPUBLISH_AFTER_LEASES leases
-    overdue (a broker can lose messages).  A scheduled pass leaves obligations younger
-    than UNSENT_GRACE_S to the process that created them."""
+    overdue (a broker can lose messages)."""
     for _ in range(MAX_PUBLISH_BATCHES):
         rearmed, parked = obligations.rearm_orphans(
-            conn, node_id=settings.node_id, generation=generation,
-            max_attempts=settings.delivery_max_attempts, limit=BATCH)
-        report.counts["deliveries_rearmed"] += rearmed
-        report.counts["deliveries_parked"] += parked
+            p.conn, node_id=p.settings.node_id, generation=p.generation,
+            max_attempts=p.settings.delivery_max_attempts, limit=BATCH)
+        p.report.counts["deliveries_rearmed"] += rearmed
+        p.report.counts["deliveries_parked"] += parked
         if rearmed + parked < BATCH:
             break
-    grace_s = UNSENT_GRACE_S if trigger == "scheduled" else 0.0
     for _ in range(MAX_PUBLISH_BATCHES):
-        sent = dispatch.send_deliveries(settings, conn, grace_s=grace_s, limit=BATCH,
-                                        stale_s=REPUBLISH_AFTER_LEASES * settings.lease_s)
-        report.counts["deliveries_sent"] += sent
+        sent = dispatch.send_deliveries(p.settings, p.conn, grace_s=p.grace_s, limit=BATCH,
+                                        stale_s=p.stale_s)
+        p.report.counts["deliveries_sent"] += sent
         if sent < BATCH:
             break
 
 
-def _republish_external(settings: Settings, conn, report: Report, *, trigger: str,
-                        since: float) -> None:
+def _reconcile_journal(p: _Pass) -> None:
+    """Step 3: the runs whose owner is gone, CLASSIFY_BATCH per transaction, each
+    classified (docs/tasks.md, "When the worker is gone") and moved by a guarded UPDATE;
+    then the deliveries the moves owe (ended or paused runs with a callback)."""
+    batches = 0
+    while True:
+        with db.transaction(p.conn):
+            batch = recovery.orphaned(p.conn, node_id=p.settings.node_id,
+                                      generation=p.generation, limit=CLASSIFY_BATCH)
+            _classify_batch(p, batch)
+        if len(batch) < CLASSIFY_BATCH:
+            break
+        batches += 1
+        if batches % CHECKPOINT_EVERY_BATCHES == 0:
+            _checkpoint(p.conn)  # keeps the WAL bounded; no lock held here
+    p.report.counts["deliveries_sent"] += dispatch.send_deliveries(p.settings, p.conn)
+
+
+def _classify_batch(p: _Pass, batch: list[dict[str, Any]]) -> None:
+    """One batch of step 3, inside its transaction: re-queues and pauses one by one,
+    interruptions and cancellations set-based (one UPDATE for the batch)."""
+    uncertain = recovery.uncertain_among(p.conn, [run["id"] for run in batch])
+    terminal = []
+    for run in batch:
+        klass, reason = recovery.classify(
+            p.conn, run, on_crash=_on_crash(run["task"]), budget=p.settings.recovery_budget,
+            uncertain=run["id"] in uncertain)
+        if klass in ("interrupted", "cancelled"):
+            terminal.append((run, klass, reason))
+        elif recovery.apply(p.conn, run, klass, reason, p.enqueue):
+            p.report.counts[klass] += 1
+            log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
+        crashpoints.hit(p.settings, "mid_recovery")
+    won = set(recovery.apply_terminal_many(p.conn, terminal, p.enqueue))
+    for run, klass, reason in terminal:
+        if run["id"] in won:
+            p.report.counts[klass] += 1
+            log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
+
+
+def _republish(p: _Pass) -> None:
+    """Step 4: runs still queued long after their dispatch without a live message (a
+    broker can lose messages) get a new one; Redis/RabbitMQ also their unsent records."""
+    if p.enqueue is None:
+        _republish_external(p)
+        return
+    while True:
+        with db.transaction(p.conn):
+            stale = recovery.stranded_queued(p.conn, older_than_s=p.stale_s, limit=BATCH)
+            for run in stale:
+                if recovery.republish(p.conn, run, p.enqueue):
+                    p.report.counts["republished"] += 1
+        if len(stale) < BATCH:
+            break
+
+
+def _republish_external(p: _Pass) -> None:
     """Step 4 for Redis/RabbitMQ, which cannot be looked into.  First the unsent records:
     every one at boot and on `runstile recover`; in a scheduled pass those older than
     UNSENT_GRACE_S (younger ones are being published by whoever wrote them) or written
     by this pass (step 3's re-queues).  Then queued runs whose dispatch went out
     REPUBLISH_AFTER_LEASES leases ago and which are still not claimed get a new record,
     published (a duplicate is harmless)."""
-    grace_s = UNSENT_GRACE_S if trigger == "scheduled" else 0.0
     for _ in range(MAX_PUBLISH_BATCHES):
-        published = dispatch.publish_pending(settings, conn, limit=BATCH, older_than_s=grace_s,
-                                             created_since=since)
-        report.counts["published"] += published
+        published = dispatch.publish_pending(p.settings, p.conn, limit=BATCH,
+                                             older_than_s=p.grace_s,
+                                             created_since=p.started_at)
+        p.report.counts["published"] += published
         if published < BATCH:
             break
     for _ in range(MAX_PUBLISH_BATCHES):
-        with db.transaction(conn):
-            lost = dispatches.lost_queued(
-                conn, older_than_s=REPUBLISH_AFTER_LEASES * settings.lease_s, limit=BATCH)
-            run_ids = [run["id"] for run in lost if recovery.republish(conn, run, None)]
+        with db.transaction(p.conn):
+            lost = dispatches.lost_queued(p.conn, older_than_s=p.stale_s, limit=BATCH)
+            run_ids = [run["id"] for run in lost if recovery.republish(p.conn, run, None)]
         for run_id in run_ids:
             log.info("run %s: still queued long after its dispatch; re-published", run_id)
-        report.counts["republished"] += len(run_ids)
-        report.counts["published"] += dispatch.publish_pending(settings, conn, limit=BATCH,
-                                                               run_ids=run_ids)
+        p.report.counts["republished"] += len(run_ids)
+        p.report.counts["published"] += dispatch.publish_pending(p.settings, p.conn,
+                                                                 limit=BATCH, run_ids=run_ids)
         if len(lost) < BATCH:
             break
 
 
-def _dispatch_slot_waiters(settings: Settings, conn, report: Report, enqueue) -> None:
+def _dispatch_session_heads(p: _Pass) -> None:
+    """Step 5, first half: the head of every session left without a holder.  Its
+    freeing transition dispatched it already; this covers a message lost since."""
+    if p.enqueue is None:
+        return  # Redis/RabbitMQ: step 4's lost-message sweep covers queued heads
+    with db.transaction(p.conn):
+        for head in sessions.heads_without_dispatch(p.conn, limit=BATCH):
+            if head["updated_at"] is not None and \
+                    recovery.ledger_now(p.conn) - head["updated_at"] > p.stale_s:
+                if recovery.republish(p.conn, head, p.enqueue):
+                    p.report.counts["session_heads"] += 1
+
+
+def _dispatch_slot_waiters(p: _Pass) -> None:
     """Step 5, second half: queued runs a claim refused for their profile's cap
     (ledger/profile_slots.py) whose profile now has a free slot.  The transition that
     freed it dispatched one already; this covers a message lost since and a cap raised
     or removed at a restart.  With a cap, one batch per pass: a dispatched run holds no
     slot until its claim, so a second batch would hand the same free slots out again."""
-    cap = settings.max_running_per_profile
+    cap = p.settings.max_running_per_profile
     for _ in range(MAX_PUBLISH_BATCHES if cap is None else 1):
-        with db.transaction(conn):
-            run_ids = profile_slots.dispatch_stranded(conn, cap, enqueue, limit=BATCH)
-        report.counts["slot_waiters"] += len(run_ids)
-        if enqueue is None:  # Redis/RabbitMQ: publish the records now
-            report.counts["published"] += dispatch.publish_pending(settings, conn,
-                                                                   limit=BATCH, run_ids=run_ids)
+        with db.transaction(p.conn):
+            run_ids = profile_slots.dispatch_stranded(p.conn, cap, p.enqueue, limit=BATCH)
+        p.report.counts["slot_waiters"] += len(run_ids)
+        if p.enqueue is None:  # Redis/RabbitMQ: publish the records now
+            p.report.counts["published"] += dispatch.publish_pending(
+                p.settings, p.conn, limit=BATCH, run_ids=run_ids)
         if len(run_ids) < BATCH:
+            break
+
+
+def _purge(p: _Pass) -> None:
+    """Step 6: runs past retention and expired tombstones, dead-lettered broker messages,
+    and old recovery reports, each in bounded batches."""
+    settings, report = p.settings, p.report
+    for _ in range(MAX_PURGE_BATCHES):
+        purged = retention.purge(p.conn, run_retention_s=settings.run_retention_s,
+                                 key_tombstone_s=settings.key_tombstone_s, batch=BATCH)
+        report.counts["purged"] += purged.runs
+        report.counts["tombstones_expired"] += purged.tombstones
+        if purged.runs < BATCH:
+            break
+    report.counts["dead_letters_purged"] += broker_queue.purge_dead_letters(
+        p.conn, settings.run_retention_s, limit=BATCH * MAX_PURGE_BATCHES)
+    for _ in range(MAX_PURGE_BATCHES):
+        pruned = retention.prune_reports(p.conn, younger_than_s=settings.run_retention_s,
+                                         batch=BATCH)
+        report.counts["reports_pruned"] += pruned
+        if pruned < BATCH:
             break
 
 
