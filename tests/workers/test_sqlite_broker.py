@@ -399,8 +399,15 @@ def test_an_async_actor_runs_under_the_default_middleware(broker, start_worker):
 def test_a_forked_child_uses_its_own_connection_and_heartbeat_thread(broker, ledger):
     parent = broker.consume("default", timeout=20)
     assert next(parent) is None  # the parent now has a connection and a watcher thread
+    watcher_thread = broker.watcher().thread
+    assert watcher_thread is not None
     sent = broker.enqueue(message())
     parent.close()
+    # Its last consumer gone, the watcher thread closes its connections and exits.  Fork
+    # only after: a child forked while another thread is inside SQLite (closing, say)
+    # inherits SQLite's mutexes held and can hang in its first call (seen under load).
+    watcher_thread.join(10)
+    assert not watcher_thread.is_alive()
     pid = os.fork()
     if pid == 0:  # child: must not reuse anything the parent opened
         code = 1
@@ -412,8 +419,14 @@ def test_a_forked_child_uses_its_own_connection_and_heartbeat_thread(broker, led
             code = 0 if proxy.message_id == sent.message_id else 2
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 30
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if waited[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish within 30 s")
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
     assert broker.pending("default") == 0
     assert next(broker.consume("default", timeout=20)) is None  # the parent still works
 
