@@ -248,6 +248,12 @@ class RunNotPaused(Conflict):
     code = "run_not_paused"
 
 
+class RunNotRetryable(Conflict):
+    """Raised when /retry is asked of a run that is not failed, cancelled or interrupted."""
+
+    code = "run_not_retryable"
+
+
 class DeliverySettled(Conflict):
     """Raised when a delivered or discarded obligation is asked to be retried or discarded."""
 

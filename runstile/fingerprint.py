@@ -16,6 +16,10 @@ import rfc8785
 FINGERPRINT_VERSION = 1
 #: The body fields that take part, each normalised to null when absent.
 FIELDS = ("task", "input", "run_id", "session_key", "trigger_id", "callback_url", "metadata")
+#: What a retry's fingerprint is over (docs/api.md, "POST /v1/runs/{run_id}/retry"): the
+#: original run's fields and its id.  No plain admission's canonical body holds
+#: ``retry_of``, so an Idempotency-Key used for one can never replay the other.
+RETRY_FIELDS = (*FIELDS, "retry_of")
 
 
 class NotCanonicalisable(ValueError):
@@ -51,9 +55,9 @@ def _json_agrees(value: Any) -> bool:
     return False
 
 
-def canonical(normalised: dict) -> bytes:
-    """The RFC 8785 (JCS) form of ``normalised``'s FIELDS, as UTF-8."""
-    body = {name: normalised.get(name) for name in FIELDS}
+def canonical(normalised: dict, fields: tuple[str, ...] = FIELDS) -> bytes:
+    """The RFC 8785 (JCS) form of ``normalised``'s ``fields``, as UTF-8."""
+    body = {name: normalised.get(name) for name in fields}
     try:
         if _json_agrees(body):
             # The common case, in C: about 10x cheaper than rfc8785's pure-Python walk,
@@ -67,6 +71,7 @@ def canonical(normalised: dict) -> bytes:
         raise NotCanonicalisable(str(exc)) from None
 
 
-def fingerprint(normalised: dict) -> str:
-    """Hex SHA-256 of the canonical form of ``normalised`` (every FIELDS key present)."""
-    return hashlib.sha256(canonical(normalised)).hexdigest()
+def fingerprint(normalised: dict, fields: tuple[str, ...] = FIELDS) -> str:
+    """Hex SHA-256 of the canonical form of ``normalised``'s ``fields`` (FIELDS for an
+    admission, RETRY_FIELDS for a retry)."""
+    return hashlib.sha256(canonical(normalised, fields)).hexdigest()

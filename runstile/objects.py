@@ -64,6 +64,7 @@ def run_object(row: dict) -> dict:
         "started_at": rfc3339(row["started_at"]),
         "finished_at": rfc3339(row["finished_at"]),
         "attempt": row["attempt"],
+        "retry_of": row.get("retry_of"),
         "result": _json(row["result"]),
         "error": error,
         "approval": _approval(row.get("approval")),

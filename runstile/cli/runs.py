@@ -1,6 +1,6 @@
 """``runstile runs …``: an HTTP client of a running server, on ``runstile.Client``.
 
-Submit, read, list, watch, stop, approve and resume runs over the API (docs/api.md,
+Submit, read, list, watch, stop, approve, resume and retry runs over the API (docs/api.md,
 "Command line: `runstile runs`"); these commands never open the ledger.  ``--url`` and
 ``--api-key`` come from ``options.client_options``.  ``runstile.cli`` adds the group to
 the root command.
@@ -56,6 +56,8 @@ def _show_run(run: dict, as_json: bool) -> None:
         _emit_json(run)
         return
     click.echo(_run_line(run))
+    if run.get("retry_of"):
+        click.echo(f"  retry_of:    {run['retry_of']}")
     for name in ("created_at", "started_at", "finished_at"):
         if run.get(name):
             click.echo(f"  {name + ':':<13}{run[name]}")
@@ -194,6 +196,17 @@ def runs_watch(client, run_id, as_json):
 def runs_stop(client, run_id, as_json):
     """Stop a run: cancelled at once if not running, else stopping until its body sees it."""
     _show_run(client.stop(run_id), as_json)
+
+
+@runs.command("retry")
+@client_options
+@click.argument("run_id")
+@click.option("--key", "idempotency_key", default=None,
+              help="Idempotency-Key [default: a new uuid4, reused by the client's retries].")
+@json_option
+def runs_retry(client, run_id, idempotency_key, as_json):
+    """Retry a failed, cancelled or interrupted run: a new run of its task and input."""
+    _show_run(client.retry(run_id, idempotency_key=idempotency_key), as_json)
 
 
 @runs.command("approve")

@@ -4,9 +4,10 @@
     run = client.submit("echo", {"text": "hi"})   # safe to retry: one Idempotency-Key
     done = client.wait(run["id"])                 # the terminal run object
 
-Retries are safe by construction.  ``submit`` sends an ``Idempotency-Key`` (a uuid4 when
-the caller gives none) and sends the *same* key on every retry of that call, so a retry
-after a lost answer returns the run the first attempt admitted instead of a second run.
+Retries are safe by construction.  ``submit`` (and ``retry``, which asks for a new run of
+a finished one) sends an ``Idempotency-Key`` (a uuid4 when the caller gives none) and
+sends the *same* key on every retry of that call, so a retry after a lost answer returns
+the run the first attempt admitted instead of a second run.
 Connection errors, timeouts, 5xx and 429 are retried with exponential backoff and jitter,
 honouring ``Retry-After``; other 4xx never are.  ``resume`` is the one call that is not
 idempotent on the server, so it is retried only when the server surely did nothing (the
@@ -114,6 +115,18 @@ class Client(HttpApi):
         """Re-queue a ``paused`` run (``POST /v1/runs/<id>/resume``); 409
         ``run_not_paused`` otherwise.  Retried only when the server surely did nothing."""
         return self._call("POST", f"/v1/runs/{quote(run_id)}/resume", only_if_refused=True)
+
+    def retry(self, run_id: str, *, idempotency_key: str | None = None) -> dict:
+        """A new run of a ``failed``, ``cancelled`` or ``interrupted`` run's task and input
+        (``POST /v1/runs/<id>/retry``); returns it with ``retry_of`` and ``replayed``.
+        409 ``run_not_retryable`` for a run in any other status.
+
+        Without ``idempotency_key`` a uuid4 is generated; every retry of this call sends
+        the same key, so the server makes at most one new run for it.
+        """
+        key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())
+        return self._call("POST", f"/v1/runs/{quote(run_id)}/retry",
+                          headers={"Idempotency-Key": key})
 
     def approve(self, run_id: str, approval_id: str, decision: str) -> dict:
         """Decide a pending approval (``POST /v1/runs/<id>/approval``); ``decision`` is

@@ -1,12 +1,12 @@
 """Admission: the reservation that creates, replays or refuses a run (docs/api.md,
 "Reservation"), alone or in a batch.
 
-``web/runs.py`` calls :func:`admit` for each ``POST /v1/runs``.  Through the web process's
-group committer (``ledger/group_commit.py``) or the admission writer (``web/writer/``,
-which carries a :class:`Reservation` over its socket), the admissions waiting at one
-moment share one transaction: :func:`reserve_many` decides them in order, then writes
-every new run's rows together (``ledger/admission_rows.py``).  Without a committer
-(tests, benchmarks) :func:`admit` runs its reservation in a transaction of its own.
+``web/runs.py`` calls :func:`admit` for each ``POST /v1/runs`` and each retry of a run.
+Through the web process's group committer (``ledger/group_commit.py``) or the admission
+writer (``web/writer/``, which carries a :class:`Reservation` over its socket), the
+admissions waiting at one moment share one transaction: :func:`reserve_many` decides them
+in order, then writes every new run's rows together (``ledger/admission_rows.py``).
+Without a committer (tests, benchmarks) :func:`admit` runs its reservation alone.
 Reading runs is ``ledger/runs.py``.
 """
 
@@ -43,7 +43,7 @@ _RACE_RETRIES = 3
 
 @dataclass(frozen=True)
 class AdmissionRequest:
-    """One validated POST /v1/runs, ready for the reservation transaction."""
+    """One validated POST /v1/runs (or retry of a run), ready for the reservation."""
 
     principal: Principal
     key: str | None            # effective idempotency key (header, or legacy-run:<id>)
@@ -57,6 +57,7 @@ class AdmissionRequest:
     callback_url: str | None
     fingerprint: str
     fingerprint_version: int
+    retry_of: str | None = None  # the run a retry is a new run of (docs/api.md)
 
 
 @dataclass(frozen=True)
@@ -137,13 +138,13 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
     # The capacity check rides on the INSERT: no row comes back when the profile is full.
     row = conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, status, attempt, "
-        f"created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1, {NOW}, "
-        f"{NOW} WHERE COALESCE((SELECT active_runs FROM profiles WHERE id = ?), 0) < ? "
-        "RETURNING *",
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, status, "
+        f"attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', "
+        f"1, {NOW}, {NOW} WHERE COALESCE((SELECT active_runs FROM profiles WHERE id = ?), 0) "
+        "< ? RETURNING *",
         (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
          req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version,
-         scope[0], max_active_runs),
+         req.retry_of, scope[0], max_active_runs),
     ).fetchone()
     if row is None:
         raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "

@@ -28,7 +28,7 @@ _RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_k
                 "error_message", "recovery_attempts", "recovery_reason", "created_at",
                 "updated_at", "started_at", "finished_at", "approval", "owner_node",
                 "owner_generation", "owner_pid", "owner_thread", "lease_expires_at",
-                "interruption", "slot_wait_since")
+                "interruption", "slot_wait_since", "retry_of")
 _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 
@@ -72,13 +72,14 @@ def _insert_runs(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
         req = res.req
         args += (run_id, req.principal.profile_id, req.principal.key_id, req.task,
                  req.input_json, req.session_key, req.trigger_id, req.metadata_json,
-                 req.callback_url, req.fingerprint, req.fingerprint_version, now, now)
+                 req.callback_url, req.fingerprint, req.fingerprint_version, req.retry_of,
+                 now, now)
     # (After an INSERT, lastrowid is the last new row's id: never None.)
     return cast(int, conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, created_at, updated_at, "
-        "status, attempt) VALUES "
-        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, created_at, "
+        "updated_at, status, attempt) VALUES "
+        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
         args).lastrowid)
 
 
@@ -125,6 +126,6 @@ def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[s
                session_key=req.session_key, trigger_id=req.trigger_id,
                metadata=req.metadata_json, callback_url=req.callback_url,
                fingerprint=req.fingerprint, fingerprint_version=req.fingerprint_version,
-               status="queued", attempt=1, recovery_attempts=0, created_at=now,
-               updated_at=now)
+               retry_of=req.retry_of, status="queued", attempt=1, recovery_attempts=0,
+               created_at=now, updated_at=now)
     return run

@@ -28,6 +28,9 @@ class RunStatus(str, enum.Enum):  # noqa: UP042 - see above
 TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED,
                       RunStatus.INTERRUPTED})
 NON_TERMINAL = frozenset(RunStatus) - TERMINAL
+#: The statuses a run may be retried from: it ended without its result (docs/api.md,
+#: "POST /v1/runs/{run_id}/retry").  Terminal, so a run read in one of them stays in it.
+RETRYABLE = frozenset({RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.INTERRUPTED})
 
 #: Every edge of the lifecycle diagram (docs/architecture.md, "Run lifecycle").
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {

@@ -1,5 +1,5 @@
 """Turning a POST /v1/runs into an AdmissionRequest, check by check in the order of
-docs/api.md, "Check order".
+docs/api.md, "Check order"; and a retry of a finished run into one (:func:`build_retry`).
 
 Order after auth: body size → content type → JSON → Idempotency-Key syntax → schema →
 run_id syntax.  The checks that apply only to new runs (callback_url, task known,
@@ -24,7 +24,7 @@ from ..errors import (
     UnknownTask,
     UnsupportedMediaType,
 )
-from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fingerprint
+from ..fingerprint import FINGERPRINT_VERSION, RETRY_FIELDS, NotCanonicalisable, fingerprint
 from ..jsondepth import MAX_DEPTH, deep_field, text_too_deep
 from ..ledger.admission import AdmissionRequest
 from ..ledger.keys import Principal
@@ -224,6 +224,38 @@ def build(request: Request, principal: Principal, *, settings: Settings,
         callback_url=fields["callback_url"], fingerprint=digest,
         fingerprint_version=FINGERPRINT_VERSION,
     ), _refusal(fields["callback_url"], task, task_names, settings.callback_allowlist)
+
+
+def build_retry(original: dict[str, Any], caller: Principal, key: str | None, *,
+                settings: Settings, task_names: Collection[str]
+                ) -> tuple[AdmissionRequest, RunstileError | None]:
+    """The admission of a retry of ``original``, a visible failed, cancelled or interrupted
+    run's row, under the request's Idempotency-Key ``key``; and the refusal for a new run
+    (docs/api.md, "POST /v1/runs/{run_id}/retry").
+
+    Built from the row, never from a body: the original's task, input, session key,
+    trigger id, metadata and callback URL, in the original's scope (so an admin key's
+    retry of another key's run, and its Idempotency-Key, live in that key's scope).  The
+    fingerprint covers ``retry_of`` too (RETRY_FIELDS): never a plain admission's.
+    """
+    metadata = original["metadata"]
+    normalised = {"task": original["task"], "input": json.loads(original["input"]),
+                  "run_id": None, "session_key": original["session_key"],
+                  "trigger_id": original["trigger_id"],
+                  "callback_url": original["callback_url"],
+                  "metadata": None if metadata is None else json.loads(metadata),
+                  "retry_of": original["id"]}
+    return AdmissionRequest(
+        # Admission reads a principal's scope, never its role.
+        principal=Principal(original["profile_id"], original["key_id"], caller.role),
+        key=key, key_is_derived=False, run_id=None, task=original["task"],
+        input_json=original["input"], session_key=original["session_key"],
+        trigger_id=original["trigger_id"], metadata_json=metadata,
+        callback_url=original["callback_url"],
+        fingerprint=fingerprint(normalised, RETRY_FIELDS),
+        fingerprint_version=FINGERPRINT_VERSION, retry_of=original["id"],
+    ), _refusal(original["callback_url"], original["task"], task_names,
+                settings.callback_allowlist)
 
 
 def _schema(body: Any, default_task: str | None) -> dict[str, Any]:

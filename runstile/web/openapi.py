@@ -62,6 +62,9 @@ _SSE_EVENT = {
 }
 _RUN_ID_PARAM = {"name": "run_id", "in": "path", "required": True,
                  "schema": {"type": "string"}}
+_IDEMPOTENCY_KEY_PARAM = {"name": "Idempotency-Key", "in": "header", "required": False,
+                          "schema": {"type": "string",
+                                     "pattern": f"^{admission.IDEMPOTENCY_KEY_PATTERN}$"}}
 _DELIVERY_ID_PARAM = {"name": "delivery_id", "in": "path", "required": True,
                       "schema": {"type": "string"}}
 _AUTH_ERRORS = {"401": _error("missing, malformed, unknown or revoked key"),
@@ -117,6 +120,7 @@ def _run_schema() -> JSONObject:
             "created_at": _TIME, "updated_at": _TIME, "started_at": _TIME,
             "finished_at": _TIME,
             "attempt": {"type": "integer", "minimum": 1},
+            "retry_of": {**_RUN_ID, "type": ["string", "null"]},
             "result": {},
             "error": {"type": ["object", "null"],
                       "properties": {"code": _TEXT, "message": _TEXT}},
@@ -173,9 +177,7 @@ def _schemas() -> JSONObject:
 def _create_run() -> JSONObject:
     return {
         "operationId": "createRun", "summary": "Admit a run (idempotent)",
-        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
-                        "schema": {"type": "string",
-                                   "pattern": f"^{admission.IDEMPOTENCY_KEY_PATTERN}$"}}],
+        "parameters": [_IDEMPOTENCY_KEY_PARAM],
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": "#/components/schemas/RunCreate"}}}},
         "responses": {
@@ -283,7 +285,7 @@ def _decide_approval() -> JSONObject:
 
 
 def _run_action_paths() -> JSONObject:
-    """What a person does to a run: stop it, decide its approval, resume it."""
+    """What a person does to a run: stop it, decide its approval, resume or retry it."""
     return {
         "/v1/runs/{run_id}/stop": {"post": {
             "operationId": "stopRun",
@@ -301,7 +303,20 @@ def _run_action_paths() -> JSONObject:
             "responses": {"200": _json("Run", "the re-queued run"),
                           "404": _error("run_not_found"),
                           "409": _error("run_not_paused"), **_AUTH_ERRORS}}},
+        "/v1/runs/{run_id}/retry": {"post": _retry_run()},
     }
+
+
+def _retry_run() -> JSONObject:
+    return {
+        "operationId": "retryRun", "parameters": [_RUN_ID_PARAM, _IDEMPOTENCY_KEY_PARAM],
+        "summary": "A new run of a failed, cancelled or interrupted run (idempotent)",
+        "responses": {
+            "202": _json("Run", "the new run (retry_of names the original), or a replay"),
+            "400": _error("invalid_idempotency_key, invalid_callback_url or unknown_task"),
+            "404": _error("run_not_found"), "410": _error("idempotency_key_expired"),
+            "409": _error("run_not_retryable (run_status) or idempotency_key_conflict"),
+            "429": _error("capacity_exceeded (Retry-After)"), **_AUTH_ERRORS}}
 
 
 def _delivery_paths() -> JSONObject:

@@ -1,5 +1,5 @@
 """/v1/runs: admission, reading and the event log (docs/api.md, from "POST /v1/runs —
-admit a run" to "GET /v1/runs/{run_id}/events — the event log"), stop and resume."""
+admit a run" to "GET /v1/runs/{run_id}/events — the event log"), stop, resume and retry."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, cast
 from flask import Blueprint, Response, jsonify, request
 
 from .. import crashpoints, dispatch
-from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunstileError
+from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunNotRetryable, RunstileError
 from ..ledger import events, execution, runs
-from ..ledger.admission import admit
-from ..ledger.states import RunStatus
+from ..ledger.admission import AdmissionRequest, Admitted, admit
+from ..ledger.states import RETRYABLE, RunStatus
 from ..objects import event_object, parse_rfc3339, run_object
 from . import admission, metrics, openapi, streams
 from .auth import authenticate, principal
@@ -23,6 +23,8 @@ from .state import conn, state
 if TYPE_CHECKING:
     from flask import Request
     from werkzeug.local import LocalProxy
+
+    from . import WebState
 
 blueprint = Blueprint("runs", __name__)
 
@@ -61,27 +63,38 @@ def create_run() -> Response:
     outcome = "error"
     web = state()  # once: every flask proxy access costs a context lookup
     try:
-        settings = web.settings
         # The request itself, not its proxy (``request`` is a LocalProxy at run time).
         current = cast("LocalProxy[Request]", request)._get_current_object()
         req, refusal = admission.build(current, principal(),
-                                       settings=settings, task_names=web.task_names)
-        admitted = admit(None, req, refusal=refusal, max_active_runs=settings.max_active_runs,
-                         enqueue=web.dispatcher.in_transaction,
-                         committer=web.committer)
-        crashpoints.hit(settings, "after_admit_commit")
-        if not admitted.replayed and admitted.dispatch_id is not None:
-            # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
-            # the embedded broker, whose message committed with it).  Never raises: a
-            # failed publish leaves the record unsent for recovery, and the 202 stands.
-            dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
-                             mark=web.committer.run)
+                                       settings=web.settings, task_names=web.task_names)
+        admitted = _admit(web, req, refusal)
         outcome = "replayed" if admitted.replayed else "created"
     except RunstileError as exc:
         outcome = exc.code
         raise
     finally:
         metrics.observe_admission(outcome, time.perf_counter() - started)
+    return _accepted(admitted)
+
+
+def _admit(web: WebState, req: AdmissionRequest, refusal: RunstileError | None) -> Admitted:
+    """Admit ``req`` through the web process's committer, then publish the new run's
+    dispatch record: admission's path for a POST /v1/runs and for a retry alike."""
+    settings = web.settings
+    admitted = admit(None, req, refusal=refusal, max_active_runs=settings.max_active_runs,
+                     enqueue=web.dispatcher.in_transaction, committer=web.committer)
+    crashpoints.hit(settings, "after_admit_commit")
+    if not admitted.replayed and admitted.dispatch_id is not None:
+        # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
+        # the embedded broker, whose message committed with it).  Never raises: a
+        # failed publish leaves the record unsent for recovery, and the 202 stands.
+        dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
+                         mark=web.committer.run)
+    return admitted
+
+
+def _accepted(admitted: Admitted) -> Response:
+    """The 202 of an admission, new or replayed (docs/api.md, "Reservation")."""
     body = run_object(admitted.run)
     body["replayed"] = admitted.replayed
     headers = {"Location": f"/v1/runs/{admitted.run['id']}"}
@@ -127,6 +140,23 @@ def resume_run(run_id: str) -> Response:
         raise RunNotPaused(f"the run is {current['status']}, not paused",
                            run_status=current["status"])
     return jsonify(run_object(resumed))
+
+
+@blueprint.post("/v1/runs/<run_id>/retry")
+def retry_run(run_id: str) -> Response:
+    """A new run of a failed, cancelled or interrupted run's task and input, admitted as
+    any run is (docs/api.md, "POST /v1/runs/{run_id}/retry — retry a finished run")."""
+    web = state()
+    key = admission.parse_idempotency_key(request.environ)
+    original = visible_run(run_id)
+    # Retryable statuses are terminal, so the status read here is the run's for good.
+    if original["status"] not in RETRYABLE:
+        raise RunNotRetryable(f"the run is {original['status']}; only a failed, cancelled "
+                              "or interrupted run can be retried",
+                              run_status=original["status"])
+    req, refusal = admission.build_retry(original, principal(), key, settings=web.settings,
+                                         task_names=web.task_names)
+    return _accepted(_admit(web, req, refusal))
 
 
 @blueprint.get("/v1/runs/<run_id>")

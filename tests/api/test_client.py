@@ -270,6 +270,45 @@ def test_a_server_that_cannot_be_reached_raises_connection_failed_after_the_retr
     assert isinstance(caught.value, RunstileError)
 
 
+def test_a_failed_run_retried_gets_a_new_run_that_names_it_and_completes(client, tmp_path):
+    """POST /v1/runs/{run_id}/retry with real workers (docs/api.md): the task runs again, in
+    a new run with retry_of and attempt 1, and the original stays as it ended."""
+    log, marker = tmp_path / "log", tmp_path / "marker"
+    submitted = client.submit("t.fail_once", {"log": str(log), "marker": str(marker)},
+                              session_key="retry-s", metadata={"team": "a"})
+    failed = client.wait(submitted["id"], timeout_s=30)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "task_error"
+    assert failed["retry_of"] is None and submitted["retry_of"] is None
+    retry = client.retry(failed["id"], idempotency_key="retry-once")
+    assert retry["id"] != failed["id"] and retry["retry_of"] == failed["id"]
+    assert (retry["status"], retry["attempt"], retry["replayed"]) == ("queued", 1, False)
+    assert {k: retry[k] for k in ("task", "input", "session_key", "metadata")} == {
+        k: failed[k] for k in ("task", "input", "session_key", "metadata")}
+    done = client.wait(retry["id"], timeout_s=30)
+    assert (done["status"], done["result"], done["attempt"]) == ("completed", {"ran": "again"}, 1)
+    assert done["retry_of"] == failed["id"]
+    assert log.read_text().splitlines() == [f"start {failed['id']} 1", f"start {retry['id']} 1"]
+    assert client.get(failed["id"])["status"] == "failed"
+    again = client.retry(failed["id"], idempotency_key="retry-once")
+    assert again["id"] == retry["id"] and again["replayed"] is True
+    with pytest.raises(ApiError) as caught:
+        client.retry(done["id"])
+    assert (caught.value.status, caught.value.code) == (409, "run_not_retryable")
+    assert caught.value.details == {"run_status": "completed"}
+
+
+def test_retry_after_a_dropped_answer_reuses_its_uuid4_key_and_returns_the_run_it_made(
+        client, system, key, interceptor):
+    failed = client.wait(client.submit("fail", None)["id"], timeout_s=30)
+    proxy = interceptor(["forward_then_drop"])
+    retry = runstile.Client(proxy.url, key.secret).retry(failed["id"])
+    sent = [s.headers["Idempotency-Key"] for s in proxy.seen]
+    assert len(sent) == 2 and sent[0] == sent[1] and uuid.UUID(sent[0]).version == 4
+    assert retry["replayed"] is True and retry["retry_of"] == failed["id"]
+    assert [r["id"] for r in client.iter_runs() if r["retry_of"] == failed["id"]] == [
+        retry["id"]], "the lost answer's retry made one run, not two"
+
+
 # ------------------------------------------------------------------ errors
 
 def test_api_errors_carry_status_code_message_and_details(client, system):
@@ -501,3 +540,18 @@ def test_cli_stop_and_resume(system, key, capsys):
     assert runstile.Client(system.url, key.secret).wait(run["id"], 30)["status"] == "cancelled"
     code, _, err = cli(["resume", run["id"]], capsys, system, key)
     assert code == 1 and err.startswith("error: run_not_paused: ")
+
+
+def test_cli_retry_makes_a_new_run_and_the_same_key_replays_it(system, key, capsys):
+    failed = runstile.Client(system.url, key.secret).submit("fail", {"n": 1})
+    runstile.Client(system.url, key.secret).wait(failed["id"], 30)
+    code, out, _ = cli(["retry", failed["id"], "--key", "cli-retry", "--json"], capsys, system,
+                       key)
+    assert code == 0
+    retry = last_json(out)
+    assert retry["retry_of"] == failed["id"] and retry["replayed"] is False
+    code, out, _ = cli(["retry", failed["id"], "--key", "cli-retry"], capsys, system, key)
+    assert code == 0 and f"{retry['id']}  " in out and "(replayed)" in out
+    assert f"retry_of:    {failed['id']}" in out
+    code, _, err = cli(["retry", "run_" + "0" * 32], capsys, system, key)
+    assert code == 1 and err.strip() == "error: run_not_found: no such run"

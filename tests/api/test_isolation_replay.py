@@ -144,6 +144,8 @@ def object_requests(world: World) -> list[tuple[str, str, str, dict]]:
                 ("GET", "/v1/runs/{run_id}/deliveries", rid, {}),
                 ("POST", "/v1/runs/{run_id}/stop", rid, {}),
                 ("POST", "/v1/runs/{run_id}/resume", rid, {}),
+                ("POST", "/v1/runs/{run_id}/retry", rid, {}),
+                ("POST", "/v1/runs/{run_id}/retry", rid, {"headers": {"Idempotency-Key": "i"}}),
                 ("POST", "/v1/runs/{run_id}/approval", rid,
                  {"json": {"approval_id": world.approval_id, "decision": "approve"}}),
                 ("POST", "/v1/runs/{run_id}/approval", rid, {"json": {"decision": "maybe"}})]
@@ -239,6 +241,8 @@ def test_the_profiles_admin_controls_every_object(world):
         ("POST", "/v1/runs/{run_id}/stop", world.runs["running"], {}, 202, "stopping"),
         ("POST", "/v1/runs/{run_id}/stop", world.runs["queued"], {}, 200, "cancelled"),
         ("POST", "/v1/runs/{run_id}/resume", world.runs["completed"], {}, 409, None),
+        ("POST", "/v1/runs/{run_id}/retry", world.runs["cancelled"], {}, 202, "queued"),
+        ("POST", "/v1/runs/{run_id}/retry", world.runs["completed"], {}, 409, None),
     ]
     for method, template, rid, kwargs, status, after in answers:
         response = call(admin, method, template, rid, kwargs)

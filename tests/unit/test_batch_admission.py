@@ -4,6 +4,7 @@ docs/architecture.md, "The writer gate and group commit")."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 
 import pytest
@@ -151,3 +152,22 @@ def test_the_row_a_batch_returns_names_every_column_of_runs_in_order(ledger):
     from runstile.ledger.admission_rows import _RUN_COLUMNS
     conn, _ = ledger
     assert _RUN_COLUMNS == tuple(r["name"] for r in conn.execute("PRAGMA table_info(runs)"))
+
+
+def test_a_retrys_run_names_the_run_it_retries_whether_batched_or_alone(ledger):
+    """retry_of (POST /v1/runs/{run_id}/retry) is written by both of admission's paths: a
+    batch's multi-row INSERT (admission_rows) and a reservation alone (admission._reserve)."""
+    conn, who = ledger
+    original = "run_" + "e" * 32
+    retry = dataclasses.replace(request(who, key="r1", fp="r"), retry_of=original)
+    [(batched, error)] = batch(conn, retry)
+    assert error is None and batched.run["retry_of"] == original
+    alone = admission.admit(conn, dataclasses.replace(retry, key="r2"), refusal=None,
+                            max_active_runs=1000)
+    assert alone.run["retry_of"] == original
+    for admitted in (batched, alone):
+        stored = dict(conn.execute("SELECT * FROM runs WHERE id = ?",
+                                   (admitted.run["id"],)).fetchone())
+        assert stored == admitted.run and stored["retry_of"] == original
+    [(plain, _)] = batch(conn, request(who, key="r3"))
+    assert plain.run["retry_of"] is None

@@ -7,7 +7,13 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runstile.fingerprint import FIELDS, NotCanonicalisable, canonical
+from runstile.fingerprint import (
+    FIELDS,
+    RETRY_FIELDS,
+    NotCanonicalisable,
+    canonical,
+    fingerprint,
+)
 
 _text = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=8)
 _scalars = (st.none() | st.booleans() | _text
@@ -61,3 +67,15 @@ def test_a_body_nested_beyond_the_recursion_limit_is_left_to_rfc8785():
     body = {"task": "t", "input": deep}
     with pytest.raises((NotCanonicalisable, RecursionError)):
         canonical(body)
+
+
+def test_a_retrys_fingerprint_differs_from_a_plain_admission_of_the_same_body():
+    """A retry names the run it retries (docs/api.md, "POST /v1/runs/{run_id}/retry"): no
+    plain body has retry_of, so one Idempotency-Key cannot replay across the two."""
+    body = {"task": "echo", "input": {"a": 1}, "metadata": {"m": "x"}}
+    retry = {**body, "retry_of": "run_" + "a" * 32}
+    assert fingerprint(body) == fingerprint(retry)  # FIELDS alone ignore retry_of
+    assert fingerprint(retry, RETRY_FIELDS) != fingerprint(body)
+    assert fingerprint(retry, RETRY_FIELDS) != fingerprint(
+        {**retry, "retry_of": "run_" + "b" * 32}, RETRY_FIELDS)
+    assert b'"retry_of":"run_' + b"a" * 32 + b'"' in canonical(retry, RETRY_FIELDS)

@@ -220,6 +220,17 @@ def always_fails(ctx, input):
     raise RuntimeError("no luck")
 
 
+@runstile.task("t.fail_once")
+def fail_once(ctx, input):
+    """Fails the first time it runs for ``input["marker"]`` (leaving the marker file), then
+    completes: a failed run whose retry (POST /v1/runs/{run_id}/retry) completes."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    if not os.path.exists(input["marker"]):
+        log_line(input["marker"], f"failed {ctx.run_id}")
+        raise RuntimeError("the first run of t.fail_once fails")
+    return {"ran": "again"}
+
+
 @runstile.task("t.session_step")
 def session_step(ctx, input):
     """Logs begin/finish with the session key, holding the session for ``hold_s``."""

@@ -1,0 +1,11 @@
+-- Migration 5: retrying a finished run (docs/api.md, "POST /v1/runs/{run_id}/retry").
+-- Written by admission alone (ledger/admission.py and ledger/admission_rows.py insert it
+-- with the new run's row); never updated.
+--
+-- retry_of: the id of the failed, cancelled or interrupted run this run retries; NULL for
+-- every run admitted by POST /v1/runs.  The retry is a new run of its own (its own id,
+-- attempt 1, events and idempotency record) and the original is left as it was.  No
+-- foreign key: retention purges each run on its own, so the original may be gone while
+-- its retry is still kept, and the id then names a purged run.  Nothing looks runs up by
+-- it, so it has no index.  Adding a column rewrites nothing.
+ALTER TABLE runs ADD COLUMN retry_of TEXT;
