@@ -30,6 +30,7 @@ MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (2, _script("schema_v2_obligations.sql")),  # delivery obligations, webhook secrets
     (3, _script("schema_v3_run_triggers.sql")),  # runs' triggers without per-row IN lists
     (4, _script("schema_v4_profile_slots.sql")),  # runs waiting for a slot of their profile
+    (6, _script("schema_v6_task_slots.sql")),  # ... and of their task (per-task concurrency)
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
