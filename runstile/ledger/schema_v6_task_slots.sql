@@ -1,8 +1,8 @@
 -- Migration 6: per-task concurrency, @runstile.task(name, concurrency=N) (docs/tasks.md,
 -- "Registering a task"), kept by the same mechanism as the per-profile cap of migration 4
--- (docs/architecture.md, "The per-profile cap and per-task concurrency").  All SQL that
--- reads or writes these is in ledger/slots.py (which was ledger/profile_slots.py), but for
--- add_dispatch (runs.py) and the claim, which clear the marks.
+-- (docs/architecture.md, "Per-task concurrency").  All SQL that reads or writes these is in
+-- ledger/slots.py (which was ledger/profile_slots.py), but for add_dispatch (runs.py) and
+-- the claim, which clear the marks.
 --
 -- task_wait_since: set by a claim that was refused because the run's task already had its
 -- concurrency of runs running or stopping, as slot_wait_since is for its profile's cap (a

@@ -1,5 +1,5 @@
 """Slots: the limits on running runs that the claim enforces (docs/architecture.md, "The
-per-profile cap and per-task concurrency").  Two kinds, kept by one mechanism:
+per-profile cap" and "Per-task concurrency").  Two kinds, kept by one mechanism:
 
 - a profile's cap (``RUNSTILE_MAX_RUNNING_PER_PROFILE``, docs/configuration.md): at most N
   runs of one profile ``running`` or ``stopping`` at once, so that one tenant cannot hold
