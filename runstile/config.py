@@ -168,7 +168,7 @@ class Settings:
     #: Non-terminal runs one profile may hold before admission answers 429.
     max_active_runs: int = 10_000
     #: Runs of one profile running (or stopping) at once across the deployment; None is
-    #: unlimited.  A run over it stays queued until a slot frees (ledger/profile_slots.py).
+    #: unlimited.  A run over it stays queued until a slot frees (ledger/slots.py).
     max_running_per_profile: int | None = None
     #: Task used when a POST names none; unset means ``task`` is required.
     default_task: str | None = None

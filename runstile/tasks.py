@@ -38,6 +38,9 @@ class TaskSpec:
     retries: int = 0
     #: Seconds before a retry is dispatched.
     retry_backoff_s: float = 1.0
+    #: The most runs of this task running at once across the deployment; None: no limit
+    #: (docs/tasks.md, "Registering a task").  Enforced by the claim (ledger/slots.py).
+    concurrency: int | None = None
 
     @property
     def is_async(self) -> bool:
@@ -49,11 +52,11 @@ _tasks: dict[str, TaskSpec] = {}
 
 
 #: The options ``@runstile.task`` takes; nothing else is honoured (docs/tasks.md).
-OPTIONS = ("time_limit_s", "on_crash", "retries", "retry_backoff_s")
+OPTIONS = ("time_limit_s", "on_crash", "retries", "retry_backoff_s", "concurrency")
 
 
 def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "interrupt",
-         retries: int = 0, retry_backoff_s: float = 1.0,
+         retries: int = 0, retry_backoff_s: float = 1.0, concurrency: int | None = None,
          **unknown: object) -> Callable[[Callable], Callable]:
     """Register ``fn(ctx, input)`` as the task ``name``.
 
@@ -65,19 +68,11 @@ def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "inter
         raise ConfigError(f"task {name!r}: unknown option(s) {', '.join(sorted(unknown))}; "
                           f"@runstile.task takes {', '.join(OPTIONS)} (docs/tasks.md, "
                           f"\"Dramatiq actors and middleware\")")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ConfigError(f"task name {name!r} must match {_NAME.pattern}")
-    if on_crash not in ON_CRASH:
-        raise ConfigError(f"task {name!r}: on_crash must be one of {ON_CRASH}")
-    if not isinstance(retries, int) or retries < 0:
-        raise ConfigError(f"task {name!r}: retries must be a whole number >= 0")
-    if time_limit_s is not None and not time_limit_s > 0:
-        raise ConfigError(f"task {name!r}: time_limit_s must be > 0")
-    if not retry_backoff_s >= 0:
-        raise ConfigError(f"task {name!r}: retry_backoff_s must be >= 0")
+    _check(name, time_limit_s, on_crash, retries, retry_backoff_s, concurrency)
 
     def register(fn: Callable) -> Callable:
-        spec = TaskSpec(name, fn, time_limit_s, on_crash, retries, float(retry_backoff_s))
+        spec = TaskSpec(name, fn, time_limit_s, on_crash, retries, float(retry_backoff_s),
+                        concurrency)
         with _lock:
             previous = _tasks.get(name)
             if previous is not None and previous.fn.__qualname__ != fn.__qualname__:
@@ -89,6 +84,25 @@ def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "inter
         return fn
 
     return register
+
+
+def _check(name: str, time_limit_s: float | None, on_crash: str, retries: int,
+           retry_backoff_s: float, concurrency: int | None) -> None:
+    """Refuse an invalid declaration with ConfigError naming the task and the option."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(f"task name {name!r} must match {_NAME.pattern}")
+    if on_crash not in ON_CRASH:
+        raise ConfigError(f"task {name!r}: on_crash must be one of {ON_CRASH}")
+    if not isinstance(retries, int) or retries < 0:
+        raise ConfigError(f"task {name!r}: retries must be a whole number >= 0")
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise ConfigError(f"task {name!r}: time_limit_s must be > 0")
+    if not retry_backoff_s >= 0:
+        raise ConfigError(f"task {name!r}: retry_backoff_s must be >= 0")
+    if concurrency is not None and (isinstance(concurrency, bool)
+                                    or not isinstance(concurrency, int) or concurrency < 1):
+        raise ConfigError(f"task {name!r}: concurrency must be a whole number >= 1, or None "
+                          f"for no limit (got {concurrency!r})")
 
 
 def load(modules: tuple[str, ...]) -> dict[str, TaskSpec]:
@@ -159,3 +173,14 @@ def registered() -> dict[str, TaskSpec]:
 def get(name: str) -> TaskSpec | None:
     with _lock:
         return _tasks.get(name)
+
+
+def concurrency_of(name: str) -> int | None:
+    """The task's ``concurrency`` (None: no limit, or no such task here)."""
+    spec = get(name)
+    return None if spec is None else spec.concurrency
+
+
+def concurrencies() -> dict[str, int | None]:
+    """Every registered task's ``concurrency``, by name (what recovery hands slots out by)."""
+    return {name: spec.concurrency for name, spec in registered().items()}

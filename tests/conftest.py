@@ -110,6 +110,14 @@ def ledger(tmp_path) -> Ledger:
     return _new_ledger(tmp_path)
 
 
+@pytest.fixture
+def conn(ledger):
+    """A connection to this test's ledger, closed after the test."""
+    c = ledger.connect()
+    yield c
+    c.close()
+
+
 @pytest.fixture(scope="module")
 def shared_ledger(tmp_path_factory) -> Ledger:
     """One ledger per test module; tests isolate themselves with a key (scope) each."""

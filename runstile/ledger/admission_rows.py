@@ -28,7 +28,8 @@ _RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_k
                 "error_message", "recovery_attempts", "recovery_reason", "created_at",
                 "updated_at", "started_at", "finished_at", "approval", "owner_node",
                 "owner_generation", "owner_pid", "owner_thread", "lease_expires_at",
-                "interruption", "slot_wait_since", "retry_of")
+                "interruption", "slot_wait_since", "retry_of", "task_wait_since",
+                "wait_profile_cap", "wait_task_limit")
 _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 

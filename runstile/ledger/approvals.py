@@ -15,7 +15,7 @@ import sqlite3
 from typing import Any
 
 from ..errors import ApprovalAlreadyResolved, ApprovalNotPending
-from . import db, events, profile_slots
+from . import db, events, slots
 from .db import NOW
 from .execution import Owner, owns
 from .runs import Enqueue, add_dispatch
@@ -30,8 +30,8 @@ def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: in
     lease is released so the worker thread is free at once.  Returns the approval
     object, or None if this worker no longer owns the run.
 
-    The run keeps its session's head, but not its profile's slot: a waiting run runs
-    nothing, so the slot goes to the profile's oldest waiting run (ledger/profile_slots.py).
+    The run keeps its session's head, but not its slots: a waiting run runs nothing, so
+    its profile's slot and its task's go to the runs waiting for them (ledger/slots.py).
     """
     with db.transaction(conn):
         run = owns(conn, run_id, owner)
@@ -53,7 +53,7 @@ def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: in
             (approval_id, json.dumps(details), run_id)).fetchone()
         events.append(conn, run_id, "approval.requested",
                       {"approval_id": approval_id, "details": details})
-        profile_slots.dispatch_next(conn, run, enqueue)
+        slots.dispatch_next(conn, run, enqueue)
         approval: dict[str, Any] = json.loads(row[0])
         return approval
 

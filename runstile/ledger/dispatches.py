@@ -19,6 +19,7 @@ from typing import Any
 
 from . import db
 from .db import NOW
+from .runs import not_waiting_for_a_slot
 from .sessions import CLAIMABLE
 
 
@@ -87,8 +88,9 @@ def lost_queued(conn: sqlite3.Connection, *, older_than_s: float,
             f"SELECT r.* FROM runs r WHERE r.status = 'queued' AND r.updated_at <= {NOW} - ? "
             "AND NOT EXISTS (SELECT 1 FROM dispatches d WHERE d.run_id = r.id AND "
             f"(d.sent_at IS NULL OR d.sent_at > {NOW} - ?)) AND {CLAIMABLE} "
-            # A run waiting for a slot of its profile has no message on purpose: whatever
-            # frees a slot dispatches it, and recovery step 5 covers a lost one.
-            "AND r.slot_wait_since IS NULL "
+            # A run waiting for a slot of its profile or its task has no message on
+            # purpose: whatever frees a slot dispatches it, and recovery step 5 covers a
+            # lost one.
+            f"AND {not_waiting_for_a_slot('r.')} "
             "ORDER BY r.updated_at LIMIT ?", (older_than_s, older_than_s, limit)).fetchall()
     return [dict(r) for r in rows]

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import db, events, profile_slots, sessions
+from . import db, events, sessions, slots
 from .db import NOW
-from .runs import Enqueue, add_dispatch
+from .runs import SLOT_MARKS, Enqueue, add_dispatch
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,19 @@ class Claim:
     """The outcome of a claim: ``run`` is set when this worker won and may start the body."""
 
     run: dict[str, Any] | None
-    outcome: str  # claimed | not_queued | unknown_task | missing
+    #: claimed | missing | not_queued | session_busy | not_session_head | unknown_task |
+    #: profile_busy | task_busy
+    outcome: str
 
 
 def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
           task_known: Callable[[str], bool], enqueue: Enqueue | None = None,
-          max_running_per_profile: int | None = None) -> Claim:
+          max_running_per_profile: int | None = None,
+          task_limit: Callable[[str], int | None] | None = None) -> Claim:
     """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
+
+    ``task_known`` and ``task_limit`` (a task's concurrency, None: unlimited) are what
+    the claiming worker's registry says; ``max_running_per_profile`` is its setting.
 
     Race: two workers holding duplicate messages both get here; the write lock orders
     them and the loser's UPDATE finds status != 'queued' and changes nothing.
@@ -63,32 +69,45 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
             return Claim(None, "missing")
         if row["status"] != "queued":
             return Claim(None, "not_queued")
-        refusal = sessions.claim_refusal(conn, dict(row))
+        limits = slots.Limits(max_running_per_profile, {} if task_limit is None else
+                              {row["task"]: task_limit(row["task"])})
+        refusal = _refusal(conn, dict(row), task_known, limits, enqueue)
         if refusal is not None:
-            # Not this run's turn in its session; whatever frees the session will
-            # dispatch the next run, so this message is a no-op.
             return Claim(None, refusal)
-        if not task_known(row["task"]):
-            _fail_unknown_task(conn, dict(row), enqueue)
-            return Claim(None, "unknown_task")
-        refusal = profile_slots.claim_refusal(conn, dict(row), max_running_per_profile)
-        if refusal is not None:
-            # Its profile holds its cap of running runs.  The refusal marked the run as
-            # waiting, and whatever frees one of those slots dispatches it (under this
-            # same write lock, so the two are ordered), so this message is a no-op.
-            return Claim(None, refusal)
-        run = conn.execute(
-            "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
-            f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
-            f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, "
-            "interruption = NULL, slot_wait_since = NULL WHERE id = ? AND status = 'queued' "
-            "RETURNING *", (*_owner_args(owner), lease_s, run_id)).fetchone()
-        if run is None:
-            return Claim(None, "not_queued")
-        run = dict(run)
-        events.append(conn, run_id, "run.started",
-                      {"attempt": run["attempt"], "owner": owner.as_dict()})
-        return Claim(run, "claimed")
+        return _start(conn, run_id, owner, lease_s)
+
+
+def _refusal(conn: sqlite3.Connection, row: dict[str, Any], task_known: Callable[[str], bool],
+             limits: slots.Limits, enqueue: Enqueue | None) -> str | None:
+    """Why the queued run ``row`` may not start now (the claim's outcome), or None."""
+    refusal = sessions.claim_refusal(conn, row)
+    if refusal is not None:
+        # Not this run's turn in its session; whatever frees the session will dispatch
+        # the next run, so this message is a no-op.
+        return refusal
+    if not task_known(row["task"]):
+        _fail_unknown_task(conn, row, enqueue)
+        return "unknown_task"
+    # Over its profile's cap or its task's concurrency, the run is marked as waiting, and
+    # whatever frees one of those slots dispatches it (under this same write lock, so the
+    # two are ordered), so this message is a no-op.
+    return slots.claim_refusal(conn, row, limits, enqueue)
+
+
+def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float) -> Claim:
+    """queued -> running for ``owner``, in the claim's transaction; its marks go."""
+    run = conn.execute(
+        "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
+        f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
+        f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, interruption = NULL, "
+        f"{', '.join(f'{mark} = NULL' for mark in SLOT_MARKS)} WHERE id = ? AND "
+        "status = 'queued' RETURNING *", (*_owner_args(owner), lease_s, run_id)).fetchone()
+    if run is None:
+        return Claim(None, "not_queued")
+    run = dict(run)
+    events.append(conn, run_id, "run.started",
+                  {"attempt": run["attempt"], "owner": owner.as_dict()})
+    return Claim(run, "claimed")
 
 
 def _fail_unknown_task(conn: sqlite3.Connection, row: dict[str, Any],
@@ -164,7 +183,7 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
             data["error"] = {"code": error_code, "message": error_message}
         events.append(conn, run_id, f"run.{run['status']}", data)
         sessions.dispatch_next(conn, dict(run), enqueue)
-        profile_slots.dispatch_next(conn, dict(run), enqueue)
+        slots.dispatch_next(conn, dict(run), enqueue)
         return dict(run)
 
 
@@ -221,7 +240,7 @@ def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str,
             return None
         events.append(conn, run_id, "run.paused", {"reason": reason})
         sessions.dispatch_next(conn, dict(run), enqueue)
-        profile_slots.dispatch_next(conn, dict(run), enqueue)
+        slots.dispatch_next(conn, dict(run), enqueue)
         return dict(run)
 
 
@@ -252,9 +271,9 @@ def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, 
                       {"reason": reason, "attempt": run["attempt"], **(event_data or {})})
         add_dispatch(conn, run, reason, enqueue)
         if "running" in from_statuses or "stopping" in from_statuses:
-            # It left its slot: the profile's oldest waiting run may take it (this run,
-            # queued again, competes for it like any other; its claim decides).
-            profile_slots.dispatch_next(conn, run, enqueue)
+            # It left its slots: the runs waiting for its profile's or its task's may take
+            # them (this run, queued again, competes like any other; its claim decides).
+            slots.dispatch_next(conn, run, enqueue)
         return run
 
 

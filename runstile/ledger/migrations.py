@@ -31,6 +31,7 @@ MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (3, _script("schema_v3_run_triggers.sql")),  # runs' triggers without per-row IN lists
     (4, _script("schema_v4_profile_slots.sql")),  # runs waiting for a slot of their profile
     (5, _script("schema_v5_retry_of.sql")),  # the run a retry is a new run of
+    (6, _script("schema_v6_task_slots.sql")),  # runs waiting for a slot of their task
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

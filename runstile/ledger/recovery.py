@@ -16,10 +16,10 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from . import db, events, profile_slots, sessions
+from . import db, events, sessions, slots
 from .db import NOW
 from .journal import uncertain_steps
-from .runs import Enqueue, add_dispatch
+from .runs import Enqueue, add_dispatch, not_waiting_for_a_slot
 
 #: Columns whose values recovery guards on; a change means "not the row I judged".
 _GUARD = ("id = ? AND status = ? AND owner_node IS ? AND owner_generation IS ? AND "
@@ -130,8 +130,9 @@ def apply(conn: sqlite3.Connection, run: dict[str, Any], klass: str, reason: str
                       {"reason": reason} if code is None else
                       {"reason": reason, "error": {"code": code, "message": message}})
         sessions.dispatch_next(conn, run, enqueue)
-    # Out of running or stopping: the run's profile slot is free for a waiting run.
-    profile_slots.dispatch_next(conn, run, enqueue)
+    # Out of running or stopping: the run's slots (its profile's, its task's) are free
+    # for waiting runs.
+    slots.dispatch_next(conn, run, enqueue)
     return True
 
 
@@ -205,8 +206,8 @@ def apply_terminal_many(conn: sqlite3.Connection, decisions: list[Decision],
             run = by_id[rid][0]
             if run.get("session_key") is not None:
                 sessions.dispatch_next(conn, run, enqueue)
-        # Each run left a slot of its profile: one lookup per profile, not per run.
-        profile_slots.dispatch_freed(conn, (by_id[rid][0] for rid in ids), enqueue)
+        # Each run left its profile's slot and its task's: one lookup per slot, not per run.
+        slots.dispatch_freed(conn, (by_id[rid][0] for rid in ids), enqueue)
         won += ids
     return won
 
@@ -215,12 +216,12 @@ def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float,
                     limit: int) -> list[dict[str, Any]]:
     """Queued runs, idle longer than ``older_than_s``, with no live message in the
     embedded broker (a message that was dead-lettered, flushed or lost).  Not those
-    waiting for a slot of their profile: they have no message on purpose, and step 5
-    hands them out (ledger/profile_slots.py)."""
+    waiting for a slot of their profile or their task: they have no message on purpose,
+    and step 5 hands them out (ledger/slots.py)."""
     rows = conn.execute(
         f"SELECT * FROM runs WHERE status = 'queued' AND updated_at <= {NOW} - ? AND NOT EXISTS "
         "(SELECT 1 FROM broker_messages m WHERE m.run_id = runs.id AND m.state != 'dead') "
-        "AND slot_wait_since IS NULL ORDER BY updated_at LIMIT ?",
+        f"AND {not_waiting_for_a_slot()} ORDER BY updated_at LIMIT ?",
         (older_than_s, limit)).fetchall()
     return [dict(r) for r in rows]
 

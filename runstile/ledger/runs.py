@@ -42,6 +42,16 @@ class Enqueue(Protocol):
         statement (``admission_rows``); None: call the enqueue instead."""
 
 
+#: The marks of a queued run waiting for a slot (ledger/slots.py): of its profile (the cap)
+#: and of its task (its concurrency).  Such a run has no message on purpose.
+SLOT_MARKS = ("slot_wait_since", "task_wait_since")
+
+
+def not_waiting_for_a_slot(alias: str = "") -> str:
+    """SQL condition: the run (``alias`` + '.', or none) waits for no slot."""
+    return " AND ".join(f"{alias}{mark} IS NULL" for mark in SLOT_MARKS)
+
+
 def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,
                  enqueue: Enqueue | None) -> int:
     """Record that ``run`` must reach a worker; inside the caller's transaction.
@@ -59,10 +69,11 @@ def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,
         f"VALUES (?, ?, ?, {NOW}, CASE WHEN ? THEN {NOW} END)",
         (run["id"], run["attempt"], reason,
          enqueue is not None and enqueue.in_transaction)).lastrowid)
-    if run.get("slot_wait_since") is not None:
-        # It waited for a slot of its profile without a message; now it has one, so a
-        # freed slot must not be handed to it a second time (ledger/profile_slots.py).
-        conn.execute("UPDATE runs SET slot_wait_since = NULL WHERE id = ?", (run["id"],))
+    if any(run.get(mark) is not None for mark in SLOT_MARKS):
+        # It waited for a slot of its profile or its task without a message; now it has
+        # one, so a freed slot must not be handed to it a second time (ledger/slots.py).
+        conn.execute(f"UPDATE runs SET {', '.join(f'{m} = NULL' for m in SLOT_MARKS)} "
+                     "WHERE id = ?", (run["id"],))
     if enqueue is not None:
         enqueue(conn, run, dispatch_id)
     return dispatch_id

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from .runs import Enqueue, add_dispatch
+from .runs import Enqueue, add_dispatch, not_waiting_for_a_slot
 
 #: Statuses that hold a session's head.
 HOLDING = "('running', 'stopping', 'waiting_for_approval')"
@@ -23,7 +23,7 @@ _SESSION = "profile_id = ? AND key_id = ? AND session_key = ?"
 _HEAD_ORDER = "ORDER BY (recovery_reason IS 'resumed') DESC, seq"
 #: SQL condition on a queued run ``r``: nothing holds its session and it is the session's
 #: head (or it has no session).  Recovery re-publishes only such runs, and a freed
-#: profile slot goes only to such a run; the others wait for whatever frees their session.
+#: slot (ledger/slots.py) goes only to such a run; the others wait for whatever frees their session.
 CLAIMABLE = (
     "(r.session_key IS NULL OR (NOT EXISTS (SELECT 1 FROM runs h WHERE "
     "h.profile_id = r.profile_id AND h.key_id = r.key_id AND h.session_key = r.session_key "
@@ -77,7 +77,7 @@ def heads_without_dispatch(conn: sqlite3.Connection, *, limit: int) -> list[dict
         f"{HOLDING}) AND r.id = (SELECT q.id FROM runs q WHERE q.profile_id = r.profile_id "
         "AND q.key_id = r.key_id AND q.session_key = r.session_key AND q.status = 'queued' "
         f"{_HEAD_ORDER.replace('recovery_reason', 'q.recovery_reason').replace('seq', 'q.seq')} "
-        # A head waiting for a slot of its profile is dispatched when one frees (recovery
-        # hands those out in the same step, ledger/profile_slots.py).
-        "LIMIT 1) AND r.slot_wait_since IS NULL LIMIT ?", (limit,)).fetchall()
+        # A head waiting for a slot of its profile or its task is dispatched when one
+        # frees (recovery hands those out in the same step, ledger/slots.py).
+        f"LIMIT 1) AND {not_waiting_for_a_slot('r.')} LIMIT ?", (limit,)).fetchall()
     return [dict(r) for r in rows]

@@ -25,10 +25,10 @@ from ..ledger import (
     dispatches,
     migrations,
     obligations,
-    profile_slots,
     recovery,
     retention,
     sessions,
+    slots,
 )
 from ..ledger.runs import Enqueue
 
@@ -123,7 +123,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
         _reconcile_journal(step)       # 3. runs whose owner is gone
         _republish(step)               # 4. records unsent, messages lost
         _dispatch_session_heads(step)  # 5. sessions without a holder ...
-        _dispatch_slot_waiters(step)   #    ... and runs waiting for a profile's slot
+        _dispatch_slot_waiters(step)   #    ... and runs waiting for a profile's or task's slot
         _purge(step)                   # 6. retention
         report.duration_s = time.monotonic() - started
         report.report_id = recovery.record_report(  # 7. the report
@@ -293,15 +293,16 @@ def _dispatch_session_heads(p: _Pass) -> None:
 
 
 def _dispatch_slot_waiters(p: _Pass) -> None:
-    """Step 5, second half: queued runs a claim refused for their profile's cap
-    (ledger/profile_slots.py) whose profile now has a free slot.  The transition that
-    freed it dispatched one already; this covers a message lost since and a cap raised
-    or removed at a restart.  With a cap, one batch per pass: a dispatched run holds no
-    slot until its claim, so a second batch would hand the same free slots out again."""
-    cap = p.settings.max_running_per_profile
-    for _ in range(MAX_PUBLISH_BATCHES if cap is None else 1):
+    """Step 5, second half: queued runs a claim refused for their profile's cap or their
+    task's concurrency (ledger/slots.py) whose profile or task now has a free slot, by
+    this process's setting and registry.  The transition that freed it dispatched one
+    already; this covers a message lost since and a limit raised or removed at a
+    restart.  With a limit, one batch per pass: a dispatched run holds no slot until its
+    claim, so a second batch would hand the same free slots out again."""
+    limits = slots.Limits(p.settings.max_running_per_profile, registry.concurrencies())
+    for _ in range(1 if limits.bounded else MAX_PUBLISH_BATCHES):
         with db.transaction(p.conn):
-            run_ids = profile_slots.dispatch_stranded(p.conn, cap, p.enqueue, limit=BATCH)
+            run_ids = slots.dispatch_stranded(p.conn, limits, p.enqueue, most=BATCH)
         p.report.counts["slot_waiters"] += len(run_ids)
         if p.enqueue is None:  # Redis/RabbitMQ: publish the records now
             p.report.counts["published"] += dispatch.publish_pending(

@@ -73,6 +73,7 @@ class Executor:
                 conn, run_id, owner, lease_s=self.settings.lease_s,
                 enqueue=self.dispatcher.enqueue,
                 task_known=lambda name: registry.get(name) is not None,
+                task_limit=registry.concurrency_of,
                 max_running_per_profile=self.settings.max_running_per_profile)
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.

@@ -15,8 +15,9 @@ every step the invariants hold:
   ending in its status, with at most one terminal event, the last of its run events, and
   ``attempt`` = 1 + the re-queues and resumes;
 - at most one running, stopping or waiting run per session;
-- at most MAX_RUNNING_PER_PROFILE running or stopping runs per profile, and a run is
-  marked as waiting for a slot only while it is queued (or after it ended);
+- at most MAX_RUNNING_PER_PROFILE running or stopping runs per profile, at most a task's
+  concurrency per task, and a run is marked as waiting for a slot only while it is queued
+  (or after it ended);
 - a run is running or stopping only with a whole owner and a lease, and holds a lease
   only then;
 - ``profiles.active_runs`` is the count of non-terminal runs;
@@ -77,8 +78,9 @@ from runstile.recovery import reconcile
 registry.load(("tests.workers.exec_tasks",))
 
 NODE, OTHER_NODE = "node-a", "node-b"
-#: Tasks by on_crash policy (interrupt, resume, pause), and one no worker knows.
-TASKS = ("t.hold", "t.hold_resume", "t.hold_pause", "t.gone")
+#: Tasks by on_crash policy (interrupt, resume, pause), one with concurrency=1, and one
+#: no worker knows.
+TASKS = ("t.hold", "t.hold_resume", "t.hold_pause", "t.one_at_a_time", "t.gone")
 RUN_IDS = ("run_" + "a" * 32, "run_" + "b" * 32)
 #: Per profile: small, so that admissions meet the limit now and then.
 MAX_ACTIVE_RUNS = 5
@@ -287,13 +289,15 @@ class LedgerMachine(RuleBasedStateMachine):
     def _claim(self, run: str, node: str, pid: int, known: bool) -> None:
         before = self.row(run)
         allowed = before["status"] == "queued" and self.may_claim(before)
-        running = sum(1 for r in self.all_runs() if r["profile_id"] == before["profile_id"]
-                      and r["status"] in ("running", "stopping"))
+        holding = [r for r in self.all_runs() if r["status"] in ("running", "stopping")]
+        running = sum(1 for r in holding if r["profile_id"] == before["profile_id"])
+        limit = registry.concurrency_of(before["task"])
+        of_task = sum(1 for r in holding if r["task"] == before["task"])
         self.threads += 1
         owner = Owner(node, self.generation if node == NODE else 1, pid, self.threads)
         outcome = execution.claim(self.conn, run, owner, lease_s=LONG_LEASE_S,
                                   task_known=lambda t: known and task_known(t),
-                                  enqueue=self.enqueue,
+                                  enqueue=self.enqueue, task_limit=registry.concurrency_of,
                                   max_running_per_profile=MAX_RUNNING_PER_PROFILE)
         if before["status"] != "queued":
             assert outcome.outcome == "not_queued" and outcome.run is None
@@ -302,10 +306,14 @@ class LedgerMachine(RuleBasedStateMachine):
         elif not (known and task_known(before["task"])):
             assert outcome.outcome == "unknown_task"
             assert self.row(run)["status"] == "failed"
-        elif running >= MAX_RUNNING_PER_PROFILE:
-            assert outcome.outcome == "profile_busy"
+        elif running >= MAX_RUNNING_PER_PROFILE or (limit is not None and of_task >= limit):
+            assert outcome.outcome == ("profile_busy" if running >= MAX_RUNNING_PER_PROFILE
+                                       else "task_busy")
             after = self.row(run)
-            assert after["status"] == "queued" and after["slot_wait_since"] is not None
+            assert after["status"] == "queued"
+            assert (after["slot_wait_since"] is not None) == (running >= MAX_RUNNING_PER_PROFILE)
+            assert (after["task_wait_since"] is not None) == (limit is not None
+                                                              and of_task >= limit)
         else:
             assert outcome.outcome == "claimed" and outcome.run["status"] == "running"
             self.owner_of[run] = owner
@@ -551,7 +559,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 "'run.requeued', 'run.resumed', 'approval.resolved')", (run["id"],)).fetchone()[0]
             dispatched = self.conn.execute(
                 "SELECT COUNT(*) FROM dispatches WHERE run_id = ? AND reason NOT IN "
-                "('session_next', 'republished', 'profile_slot')", (run["id"],)).fetchone()[0]
+                "('session_next', 'republished', 'profile_slot', 'task_slot')",
+                (run["id"],)).fetchone()[0]
             assert dispatched == entries, (run["id"], dispatched, entries)
         assert self.conn.execute("SELECT COUNT(*) FROM dispatches WHERE sent_at IS NULL"
                                  ).fetchone()[0] == 0
@@ -574,13 +583,19 @@ class LedgerMachine(RuleBasedStateMachine):
         assert not held, [tuple(r) for r in held]
 
     @invariant()
-    def a_profile_never_runs_more_than_its_cap(self):
+    def neither_a_profile_nor_a_task_runs_more_than_its_limit(self):
         over = self.conn.execute(
             "SELECT profile_id, COUNT(*) FROM runs WHERE status IN ('running', 'stopping') "
             "GROUP BY 1 HAVING COUNT(*) > ?", (MAX_RUNNING_PER_PROFILE,)).fetchall()
         assert not over, [tuple(r) for r in over]
+        for task in TASKS:
+            limit = registry.concurrency_of(task)
+            held = self.conn.execute("SELECT COUNT(*) FROM runs WHERE task = ? AND status IN "
+                                     "('running', 'stopping')", (task,)).fetchone()[0]
+            assert limit is None or held <= limit, (task, held)
         marked = self.conn.execute(
-            "SELECT id, status FROM runs WHERE slot_wait_since IS NOT NULL AND status IN "
+            "SELECT id, status FROM runs WHERE (slot_wait_since IS NOT NULL OR "
+            "task_wait_since IS NOT NULL) AND status IN "
             "('running', 'stopping', 'waiting_for_approval', 'paused')").fetchall()
         assert not marked, [tuple(r) for r in marked]
 

@@ -47,3 +47,30 @@ def test_a_module_of_runstile_tasks_loads_and_registers_them(tmp_path, monkeypat
                        + "', retries=2)\ndef body(ctx, value):\n    return value\n")
     loaded = tasks.load((name,))
     assert any(spec.fn.__module__ == name and spec.retries == 2 for spec in loaded.values())
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 2.0, "2", True, [1]])
+def test_a_concurrency_that_is_not_a_whole_number_of_at_least_1_is_refused_naming_the_task(
+        value):
+    with pytest.raises(ConfigError) as refused:
+        runstile.task("capped_badly", concurrency=value)
+    assert "'capped_badly'" in refused.value.message
+    assert "concurrency must be a whole number >= 1" in refused.value.message
+    assert repr(value) in refused.value.message
+    assert tasks.get("capped_badly") is None  # nothing was registered
+
+
+def test_a_concurrency_is_recorded_on_the_task_and_none_means_no_limit():
+    capped, free = (f"{kind}_{uuid.uuid4().hex[:8]}" for kind in ("capped", "free"))
+
+    @runstile.task(capped, concurrency=3)
+    def capped_body(ctx, value):
+        return value
+
+    @runstile.task(free)
+    def free_body(ctx, value):
+        return value
+
+    assert tasks.get(capped).concurrency == 3 and tasks.get(free).concurrency is None
+    assert tasks.concurrency_of(capped) == 3 and tasks.concurrency_of("no_such_task") is None
+    assert {capped: 3, free: None}.items() <= tasks.concurrencies().items()

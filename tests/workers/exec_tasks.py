@@ -282,3 +282,19 @@ def spin(ctx, input):
     while time.monotonic() < deadline:
         sum(range(1000))
     return "spun"
+
+
+@runstile.task("t.one_at_a_time", concurrency=1)
+def one_at_a_time(ctx, input):
+    """At most one body of this task runs at once, in the whole deployment.  Logs its
+    start and end with the process id and the time, holding a worker thread for
+    ``hold_s`` in between."""
+    log_line(input["log"], f"start {ctx.run_id} {os.getpid()} {time.time():.6f}")
+    time.sleep(input.get("hold_s", 0.1))
+    log_line(input["log"], f"end {ctx.run_id} {os.getpid()} {time.time():.6f}")
+    return {"pid": os.getpid()}
+
+
+@runstile.task("t.two_at_a_time", concurrency=2)
+def two_at_a_time(ctx, input):
+    return _hold(ctx, input)
