@@ -43,9 +43,19 @@ ACTOR = "runstile_execute"
 DELIVER_ACTOR = "runstile_deliver"
 
 
-def message_for(run_id: str, dispatch_id: int | None = None) -> dramatiq.Message:
+def message_for(run_id: str, dispatch_id: int | None = None,
+                priority: int = broker_queue.DEFAULT_PRIORITY) -> dramatiq.Message:
+    """The message of a run: ``broker_priority`` is the run's priority, which RabbitMQ
+    orders by (queues declared with ``x-max-priority``) and the embedded broker stores
+    in its row; Redis ignores it (docs/architecture.md, "The embedded broker")."""
     return dramatiq.Message(queue_name=QUEUE, actor_name=ACTOR, args=(run_id,),
-                            kwargs={"dispatch_id": dispatch_id}, options={})
+                            kwargs={"dispatch_id": dispatch_id},
+                            options={"broker_priority": priority})
+
+
+def priority_of(run: dict[str, Any]) -> int:
+    """A run row's priority (the default for a row read before migration 8 applied)."""
+    return int(run.get("priority", broker_queue.DEFAULT_PRIORITY))
 
 
 def delivery_message(obligation_id: str) -> dramatiq.Message:
@@ -62,17 +72,21 @@ class _EmbeddedEnqueue:
         self.delay_s = delay_s
 
     def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
-        queue_name, message_id, body, eta, run_id = self.message(run, dispatch_id)
-        broker_queue.insert_message(conn, queue_name, message_id, body, eta=eta, run_id=run_id)
+        queue_name, message_id, body, eta, run_id, priority = self.message(run, dispatch_id)
+        broker_queue.insert_message(conn, queue_name, message_id, body, eta=eta, run_id=run_id,
+                                    priority=priority)
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> broker_queue.NewMessage:
-        message = message_for(run["id"], dispatch_id)
+        priority = priority_of(run)
+        message = message_for(run["id"], dispatch_id, priority)
         if self.delay_s <= 0:
-            return QUEUE, message.message_id, message.encode(), None, run["id"]
+            return QUEUE, message.message_id, message.encode(), None, run["id"], priority
         # Dramatiq's convention: a delayed message waits on ``<queue>.DQ`` with an eta.
         eta_ms = int((time.time() + self.delay_s) * 1000)
-        delayed = message.copy(queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
-        return delayed.queue_name, delayed.message_id, delayed.encode(), eta_ms / 1000, run["id"]
+        delayed = message.copy(queue_name=f"{QUEUE}.DQ",
+                               options={"eta": eta_ms, "broker_priority": priority})
+        return (delayed.queue_name, delayed.message_id, delayed.encode(), eta_ms / 1000,
+                run["id"], priority)
 
 
 class _PublishAfterCommit:
@@ -85,7 +99,7 @@ class _PublishAfterCommit:
         self.delay_s = delay_s
 
     def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
-        db.owe_publish(conn, dispatch_id, run["id"], self.delay_s)
+        db.owe_publish(conn, dispatch_id, run["id"], self.delay_s, priority_of(run))
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> None:
         return None
@@ -118,7 +132,11 @@ def external_broker(url: str, *, middleware: list, publishing: bool = False) -> 
                                       socket_timeout=PUBLISH_TIMEOUT_S)
         return RedisBroker(client=client, middleware=middleware)
     from dramatiq.brokers.rabbitmq import RabbitmqBroker
-    broker = RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=publishing)
+    # x-max-priority on the queue and its delay queue: a run's priority is its message's
+    # (docs/operations.md, "RabbitMQ and run priority": a queue declared before without
+    # it must be deleted once, or RabbitMQ refuses the declaration).
+    broker = RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=publishing,
+                            max_priority=broker_queue.MAX_PRIORITY)
     if publishing:
         parameters = broker.parameters
         for params in parameters if isinstance(parameters, list) else [parameters]:
@@ -155,9 +173,10 @@ class Publisher:
         assert self._broker is not None  # made just above, in this process
         return self._broker
 
-    def send(self, run_id: str, dispatch_id: int, *, delay_s: float = 0.0) -> bool:
+    def send(self, run_id: str, dispatch_id: int, *, delay_s: float = 0.0,
+             priority: int = broker_queue.DEFAULT_PRIORITY) -> bool:
         """Publish one run's message; True if the broker took it.  Never raises."""
-        return self.enqueue(message_for(run_id, dispatch_id), delay_s=delay_s,
+        return self.enqueue(message_for(run_id, dispatch_id, priority), delay_s=delay_s,
                             what=f"run {run_id}: dispatch {dispatch_id}")
 
     def enqueue(self, message: dramatiq.Message, *, delay_s: float = 0.0,
@@ -194,6 +213,7 @@ def publisher_for(settings: Settings) -> Publisher | None:
 
 def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
             dispatch_id: int, *, delay_s: float = 0.0,
+            priority: int = broker_queue.DEFAULT_PRIORITY,
             mark: Callable[[Callable[[sqlite3.Connection], Any]], Any] | None = None) -> bool:
     """After the commit that wrote dispatch record ``dispatch_id``: publish it, then mark
     it sent.  True if the broker took the message.  Never raises: an admission or a
@@ -201,10 +221,11 @@ def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
     again by recovery, and the duplicate is harmless).
 
     ``mark`` runs the marking unit instead of ``conn`` (the web passes its group
-    committer, so the marks share the admissions' transactions).
+    committer, so the marks share the admissions' transactions).  ``priority``: the run's.
     """
     publisher = publisher_for(settings)
-    if publisher is None or not publisher.send(run_id, dispatch_id, delay_s=delay_s):
+    if publisher is None or not publisher.send(run_id, dispatch_id, delay_s=delay_s,
+                                               priority=priority):
         return False
     def work(c: sqlite3.Connection) -> bool:
         return dispatches.mark_sent(c, dispatch_id, live_in_s=delay_s)
@@ -241,8 +262,9 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
                     exc.message)
         return 0
     published = 0
-    for dispatch_id, run_id in pending:
-        if not publish(settings, conn, run_id, dispatch_id, delay_s=delay_s):
+    for dispatch_id, run_id, priority in pending:
+        if not publish(settings, conn, run_id, dispatch_id, delay_s=delay_s,
+                       priority=priority):
             break
         published += 1
     return published
@@ -357,8 +379,9 @@ class Dispatcher:
     def after_commit(self, conn: sqlite3.Connection, owed: Owed) -> None:
         """Pay what a commit owes, right after it (ledger/db.py calls this).  Never
         raises: an unpaid debt is a committed, unsent row, which recovery sends."""
-        for dispatch_id, run_id, delay_s in owed.publish:
-            if not publish(self.settings, conn, run_id, dispatch_id, delay_s=delay_s):
+        for dispatch_id, run_id, delay_s, priority in owed.publish:
+            if not publish(self.settings, conn, run_id, dispatch_id, delay_s=delay_s,
+                           priority=priority):
                 break  # the broker is unreachable: the rest waits for recovery too
         if owed.deliveries:
             send_deliveries(self.settings, conn, run_ids=list(dict.fromkeys(owed.deliveries)))

@@ -20,6 +20,17 @@ FIELDS = ("task", "input", "run_id", "session_key", "trigger_id", "callback_url"
 #: original run's fields and its id.  No plain admission's canonical body holds
 #: ``retry_of``, so an Idempotency-Key used for one can never replay the other.
 RETRY_FIELDS = (*FIELDS, "retry_of")
+#: An admission whose body holds ``priority`` (docs/api.md, "POST /v1/runs"): the field
+#: takes part only when present, as the integer it is, so a body without it keeps the
+#: canonical form it had before priorities existed and every stored record still
+#: replays.  ``{"priority": 5}`` and no priority are therefore different requests.
+PRIORITY_FIELDS = (*FIELDS, "priority")
+
+
+def admission_fields(normalised: dict) -> tuple[str, ...]:
+    """The fields an admission's fingerprint is over: PRIORITY_FIELDS when its body named
+    a priority (normalised to an integer), FIELDS otherwise."""
+    return FIELDS if normalised.get("priority") is None else PRIORITY_FIELDS
 
 
 class NotCanonicalisable(ValueError):

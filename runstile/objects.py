@@ -65,6 +65,7 @@ def run_object(row: dict) -> dict:
         "finished_at": rfc3339(row["finished_at"]),
         "attempt": row["attempt"],
         "retry_of": row.get("retry_of"),
+        "priority": row.get("priority", 5),
         "result": _json(row["result"]),
         "error": error,
         "approval": _approval(row.get("approval")),

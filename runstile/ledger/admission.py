@@ -30,6 +30,7 @@ from ..errors import (
     RunstileError,
 )
 from . import admission_rows, db, events
+from .broker_queue import DEFAULT_PRIORITY
 from .db import NOW
 from .keys import Principal
 from .runs import Enqueue, add_dispatch
@@ -58,6 +59,7 @@ class AdmissionRequest:
     fingerprint: str
     fingerprint_version: int
     retry_of: str | None = None  # the run a retry is a new run of (docs/api.md)
+    priority: int = DEFAULT_PRIORITY  # 0-9, higher first (docs/api.md, "POST /v1/runs")
 
 
 @dataclass(frozen=True)
@@ -138,13 +140,13 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
     # The capacity check rides on the INSERT: no row comes back when the profile is full.
     row = conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, status, "
-        f"attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', "
-        f"1, {NOW}, {NOW} WHERE COALESCE((SELECT active_runs FROM profiles WHERE id = ?), 0) "
-        "< ? RETURNING *",
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, priority, "
+        f"status, attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+        f"?, 'queued', 1, {NOW}, {NOW} WHERE COALESCE((SELECT active_runs FROM profiles "
+        "WHERE id = ?), 0) < ? RETURNING *",
         (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
          req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version,
-         req.retry_of, scope[0], max_active_runs),
+         req.retry_of, req.priority, scope[0], max_active_runs),
     ).fetchone()
     if row is None:
         raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "

@@ -29,6 +29,10 @@ from .db import NOW
 
 #: The states a broker row can be in (schema.sql CHECKs the same list).
 READY, CLAIMED, DEAD = "ready", "claimed", "dead"
+#: A run's priority (docs/api.md, "POST /v1/runs"): higher first; a message without one
+#: (a delivery, an actor's .send()) has the default.  schema_v8_priority.sql's DEFAULTs
+#: are the same 5.
+MIN_PRIORITY, MAX_PRIORITY, DEFAULT_PRIORITY = 0, 9, 5
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,15 @@ class ConsumerInfo:
 
 
 def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, body: bytes,
-                   eta: float | None = None, run_id: str | None = None) -> int:
+                   eta: float | None = None, run_id: str | None = None,
+                   priority: int = DEFAULT_PRIORITY) -> int:
     """Add one ready message; return its delivery id.  Runs in the caller's transaction.
 
     ``eta`` is the Unix time (seconds) of a delayed message, which lives on the delay
     queue ``<queue>.DQ`` (Dramatiq's convention); it orders that queue, soonest first.
     The same ``message_id`` may be inserted more than once: the broker does not dedupe
-    (runstile's claim does).
+    (runstile's claim does).  ``priority``: a higher one is claimed first among the
+    queue's rows ready at the same moment (:func:`claim`).
     """
     with db.ledger_errors():
         # lastrowid, not RETURNING: fetching a RETURNING row costs a second sqlite3_step,
@@ -58,24 +64,27 @@ def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, b
         # (After an INSERT, lastrowid is the new row's id: never None.)
         return cast(int, conn.execute(
             "INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
-            f"enqueued_at, run_id) VALUES (?, ?, ?, ?, '{READY}', {NOW}, ?)",
-            (queue_name, message_id, sqlite3.Binary(body), eta, run_id)).lastrowid)
+            f"enqueued_at, run_id, priority) VALUES (?, ?, ?, ?, '{READY}', {NOW}, ?, ?)",
+            (queue_name, message_id, sqlite3.Binary(body), eta, run_id, int(priority))
+        ).lastrowid)
 
 
-#: One message for :func:`insert_messages`: (queue name, message id, body, eta, run id).
-NewMessage = tuple[str, str, bytes, float | None, str | None]
+#: One message for :func:`insert_messages`: (queue name, message id, body, eta, run id,
+#: priority).
+NewMessage = tuple[str, str, bytes, float | None, str | None, int]
 
 
 def insert_messages(conn: sqlite3.Connection, messages: Sequence[NewMessage]) -> None:
     """:func:`insert_message` for several messages with one statement (a batch of
     admissions).  Runs in the caller's transaction."""
     args: list[object] = []
-    for queue_name, message_id, body, eta, run_id in messages:
-        args += (queue_name, message_id, sqlite3.Binary(body), eta, run_id)
+    for queue_name, message_id, body, eta, run_id, priority in messages:
+        args += (queue_name, message_id, sqlite3.Binary(body), eta, run_id, int(priority))
     with db.ledger_errors():
         conn.execute("INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
-                     "enqueued_at, run_id) VALUES "
-                     + ", ".join([f"(?, ?, ?, ?, '{READY}', {NOW}, ?)"] * len(messages)), args)
+                     "enqueued_at, run_id, priority) VALUES "
+                     + ", ".join([f"(?, ?, ?, ?, '{READY}', {NOW}, ?, ?)"] * len(messages)),
+                     args)
 
 
 def register_consumer(conn: sqlite3.Connection, info: ConsumerInfo) -> None:
@@ -130,19 +139,22 @@ def has_ready(conn: sqlite3.Connection, queue_name: str) -> bool:
 
 def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
           limit: int) -> list[sqlite3.Row]:
-    """Claim up to ``limit`` ready rows for one consumer: oldest first, or soonest eta
-    first on a delay queue.  Returns (id, message_id, body) rows in that order."""
+    """Claim up to ``limit`` ready rows for one consumer: highest priority first, then
+    oldest first; on a delay queue soonest eta first, then priority.  Returns (id,
+    message_id, body) rows in that order, read from broker_messages_ready_by_priority
+    (schema_v8_priority.sql; docs/architecture.md, "The embedded broker")."""
     if limit < 1:
         return []
     with db.transaction(conn):
         rows = conn.execute(
             f"UPDATE broker_messages SET state = '{CLAIMED}', claimed_by = ?, "
             f"claimed_at = {NOW} WHERE id IN (SELECT id FROM broker_messages "
-            f"WHERE queue_name = ? AND state = '{READY}' ORDER BY eta, id LIMIT ?) "
-            "RETURNING id, message_id, body, eta",
+            f"WHERE queue_name = ? AND state = '{READY}' ORDER BY eta, priority DESC, id "
+            "LIMIT ?) RETURNING id, message_id, body, eta, priority",
             (consumer_id, queue_name, int(limit))).fetchall()
     # RETURNING gives no order; restore the queue's.
-    return sorted(rows, key=lambda r: (r["eta"] is not None, r["eta"] or 0, r["id"]))
+    return sorted(rows, key=lambda r: (r["eta"] is not None, r["eta"] or 0, -r["priority"],
+                                       r["id"]))
 
 
 def ack(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:

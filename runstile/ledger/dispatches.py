@@ -26,8 +26,8 @@ from .sessions import CLAIMABLE
 def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
            created_since: float | None = None, run_ids: Sequence[str] | None = None,
            session: tuple[str, str, str] | None = None,
-           profile: str | None = None) -> list[tuple[int, str]]:
-    """``(dispatch id, run id)`` of unsent records whose run is still queued, oldest first.
+           profile: str | None = None) -> list[tuple[int, str, int]]:
+    """``(dispatch id, run id, run priority)`` of unsent records whose run is still queued, oldest first.
 
     ``older_than_s`` leaves alone records a publisher is probably handling right now;
     ``created_since`` (a ledger time) brings back younger ones anyway (those a recovery
@@ -55,10 +55,10 @@ def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
         args.append(profile)
     with db.ledger_errors():
         rows = conn.execute(
-            "SELECT d.id, d.run_id FROM dispatches d JOIN runs r ON r.id = d.run_id "
+            "SELECT d.id, d.run_id, r.priority FROM dispatches d JOIN runs r ON r.id = d.run_id "
             f"WHERE {' AND '.join(clauses)} ORDER BY d.created_at, d.id LIMIT ?",
             (*args, limit)).fetchall()
-    return [(row[0], row[1]) for row in rows]
+    return [(row[0], row[1], row[2]) for row in rows]
 
 
 def mark_sent(conn: sqlite3.Connection, dispatch_id: int, *, live_in_s: float = 0.0) -> bool:

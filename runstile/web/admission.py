@@ -24,9 +24,16 @@ from ..errors import (
     UnknownTask,
     UnsupportedMediaType,
 )
-from ..fingerprint import FINGERPRINT_VERSION, RETRY_FIELDS, NotCanonicalisable, fingerprint
+from ..fingerprint import (
+    FINGERPRINT_VERSION,
+    RETRY_FIELDS,
+    NotCanonicalisable,
+    admission_fields,
+    fingerprint,
+)
 from ..jsondepth import MAX_DEPTH, deep_field, text_too_deep
 from ..ledger.admission import AdmissionRequest
+from ..ledger.broker_queue import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from ..ledger.keys import Principal
 from ..netguard import callback_refusal
 
@@ -43,7 +50,8 @@ _RUN_ID = re.compile(RUN_ID_PATTERN)
 IDEMPOTENCY_KEY_PATTERN = "[!-~]{1,255}"
 _KEY = re.compile(IDEMPOTENCY_KEY_PATTERN)
 LEGACY_PREFIX = "legacy-run:"
-FIELDS = {"task", "input", "run_id", "session_key", "trigger_id", "callback_url", "metadata"}
+FIELDS = {"task", "input", "run_id", "session_key", "trigger_id", "callback_url", "metadata",
+          "priority"}
 MAX_METADATA_KEYS = 32
 MAX_METADATA_VALUE = 512
 MAX_METADATA_KEY = 128
@@ -208,7 +216,7 @@ def build(request: Request, principal: Principal, *, settings: Settings,
     header_key = parse_idempotency_key(request.environ)
     fields = _schema(body, settings.default_task)
     try:
-        digest = fingerprint(fields)
+        digest = fingerprint(fields, admission_fields(fields))
     except NotCanonicalisable as exc:
         raise InvalidRequest(f"input cannot be canonicalised (RFC 8785): {exc}",
                              field="input") from None
@@ -223,6 +231,7 @@ def build(request: Request, principal: Principal, *, settings: Settings,
         metadata_json=None if metadata is None else compact_json(metadata),
         callback_url=fields["callback_url"], fingerprint=digest,
         fingerprint_version=FINGERPRINT_VERSION,
+        priority=DEFAULT_PRIORITY if fields["priority"] is None else fields["priority"],
     ), _refusal(fields["callback_url"], task, task_names, settings.callback_allowlist)
 
 
@@ -254,6 +263,7 @@ def build_retry(original: dict[str, Any], caller: Principal, key: str | None, *,
         callback_url=original["callback_url"],
         fingerprint=fingerprint(normalised, RETRY_FIELDS),
         fingerprint_version=FINGERPRINT_VERSION, retry_of=original["id"],
+        priority=original["priority"],
     ), _refusal(original["callback_url"], original["task"], task_names,
                 settings.callback_allowlist)
 
@@ -275,11 +285,23 @@ def _schema(body: Any, default_task: str | None) -> dict[str, Any]:
     fields = {"task": task, "input": body.get("input"), "run_id": run_id,
               "session_key": _text(body, "session_key", no_control=True),
               "trigger_id": _text(body, "trigger_id"), "callback_url": _callback_url(body),
-              "metadata": _metadata(body)}
+              "metadata": _metadata(body), "priority": _priority(body)}
     if run_id is not None and not _RUN_ID.fullmatch(run_id):
         raise InvalidRunId(f"run_id must look like run_<32 lowercase hex>, matching "
                            f"{RUN_ID_PATTERN} in full", field="run_id")
     return fields
+
+
+def _priority(body: dict[str, Any]) -> int | None:
+    """``priority``: an integer from MIN_PRIORITY to MAX_PRIORITY, or None when absent
+    (docs/api.md, "POST /v1/runs").  A bool is no integer here, nor is 5.0."""
+    if "priority" not in body:
+        return None
+    value = body["priority"]
+    if type(value) is not int or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority must be an integer from {MIN_PRIORITY} to "
+                             f"{MAX_PRIORITY}", field="priority")
+    return value
 
 
 def _key(header_key: str | None, run_id: str | None) -> tuple[str | None, bool]:

@@ -89,7 +89,7 @@ def _admit(web: WebState, req: AdmissionRequest, refusal: RunstileError | None) 
         # the embedded broker, whose message committed with it).  Never raises: a
         # failed publish leaves the record unsent for recovery, and the 202 stands.
         dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
-                         mark=web.committer.run)
+                         priority=dispatch.priority_of(admitted.run), mark=web.committer.run)
     return admitted
 
 

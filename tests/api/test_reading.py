@@ -24,8 +24,8 @@ def test_get_returns_the_full_run_object(api):
     run = api.get(f"/v1/runs/{rid}").json()
     assert set(run) == {"object", "id", "status", "task", "input", "session_key", "trigger_id",
                         "metadata", "callback_url", "created_at", "updated_at", "started_at",
-                        "finished_at", "attempt", "retry_of", "result", "error", "approval",
-                        "recovery"}
+                        "finished_at", "attempt", "retry_of", "priority", "result", "error",
+                        "approval", "recovery"}
     assert run["object"] == "run" and run["id"] == rid and run["status"] == "queued"
     assert run["retry_of"] is None
     assert run["metadata"] == {"team": "red"} and run["trigger_id"] == "t-1"

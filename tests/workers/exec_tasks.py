@@ -298,3 +298,11 @@ def one_at_a_time(ctx, input):
 @runstile.task("t.two_at_a_time", concurrency=2)
 def two_at_a_time(ctx, input):
     return _hold(ctx, input)
+
+
+@runstile.task("t.gate")
+def gate(ctx, input):
+    """Logs its start, then holds its worker thread until the test creates ``release``."""
+    log_line(input["log"], f"start {ctx.run_id} {input.get('tag', '')}")
+    wait_for(input.get("release"))
+    return input.get("tag")

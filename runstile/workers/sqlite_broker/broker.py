@@ -85,8 +85,12 @@ def enqueue_in(conn: sqlite3.Connection, message: Message, *,
 
 
 def _insert(conn: sqlite3.Connection, message: Message, eta_s: float | None) -> tuple[Message, int]:
+    # ``broker_priority`` as on RabbitMQ: a run's message carries its run's priority
+    # (dispatch.message_for), and keeps it when a worker moves it back from a delay queue.
+    priority = message.options.get("broker_priority", broker_queue.DEFAULT_PRIORITY)
     delivery_id = broker_queue.insert_message(
-        conn, message.queue_name, message.message_id, message.encode(), eta=eta_s)
+        conn, message.queue_name, message.message_id, message.encode(), eta=eta_s,
+        priority=int(priority))
     return message, delivery_id
 
 
