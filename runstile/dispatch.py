@@ -131,12 +131,12 @@ def external_broker(url: str, *, middleware: list, publishing: bool = False) -> 
         client = redis.Redis.from_url(url, socket_connect_timeout=PUBLISH_TIMEOUT_S,
                                       socket_timeout=PUBLISH_TIMEOUT_S)
         return RedisBroker(client=client, middleware=middleware)
-    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    from .rabbitmq import PriorityRabbitmqBroker
     # x-max-priority on the queue and its delay queue: a run's priority is its message's
-    # (docs/operations.md, "RabbitMQ and run priority": a queue declared before without
-    # it must be deleted once, or RabbitMQ refuses the declaration).
-    broker = RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=publishing,
-                            max_priority=broker_queue.MAX_PRIORITY)
+    # (docs/operations.md, "RabbitMQ and run priority").
+    broker = PriorityRabbitmqBroker(url=url, middleware=middleware,
+                                    confirm_delivery=publishing,
+                                    max_priority=broker_queue.MAX_PRIORITY)
     if publishing:
         parameters = broker.parameters
         for params in parameters if isinstance(parameters, list) else [parameters]:

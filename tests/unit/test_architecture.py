@@ -36,7 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "webhooks": {"errors", "netguard"},
     "client": {"errors"},
     "ledger": {"errors", "filemodes", "jsondepth"},
-    "dispatch": {"config", "errors", "ledger"},
+    "rabbitmq": set(),  # Dramatiq's RabbitMQ broker with run priority, for dispatch
+    "dispatch": {"config", "errors", "ledger", "rabbitmq"},
     "web": FOUNDATIONS | {"ledger", "dispatch"},
     "workers": FOUNDATIONS | {"ledger", "dispatch"},
     "recovery": FOUNDATIONS | {"ledger", "dispatch"},

@@ -635,3 +635,81 @@ def test_a_run_waiting_for_its_profiles_slot_is_published_when_the_slot_frees(de
     handed = {rid for (rid,) in ledger.query(
         "SELECT run_id FROM dispatches WHERE reason = 'profile_slot'")}
     assert refused <= handed and unsent(ledger) == 0
+
+
+# -- run priority (docs/api.md, "POST /v1/runs"; docs/operations.md, "RabbitMQ and run
+# priority"): Redis has no message priority, so it is no part of this contract.
+
+PRIORITY_BROKERS = [pytest.param("embedded"), pytest.param("rabbitmq", marks=pytest.mark.broker)]
+
+
+def consume_all(made, queue_name: str, count: int) -> list[str]:
+    """Every message of ``queue_name`` in the order the broker delivers it, one at a time."""
+    consumer = made.consume(queue_name, prefetch=1, timeout=200)
+    got: list[str] = []
+    try:
+        deadline = time.monotonic() + 15
+        while len(got) < count and time.monotonic() < deadline:
+            message = next(consumer)
+            if message is not None:
+                got.append(message.args[0])
+                consumer.ack(message)
+    finally:
+        consumer.close()
+    return got
+
+
+def priority_broker(kind: str, ledger: Ledger):
+    """A fresh queue's broker: the embedded one, or RabbitMQ as runstile declares it."""
+    if kind == "embedded":
+        from runstile.workers.sqlite_broker import SQLiteBroker
+        return SQLiteBroker(ledger.path, middleware=[])
+    broker_available("rabbitmq")
+    return dispatch.external_broker(RABBITMQ_URL, middleware=[], publishing=True)
+
+
+def delete_queues(made, queue_name: str) -> None:
+    if hasattr(made, "channel"):  # RabbitMQ: the queue was the test's own
+        for name in (queue_name, f"{queue_name}.DQ", f"{queue_name}.XQ"):
+            made.channel.queue_delete(name)
+
+
+@pytest.mark.parametrize("kind", PRIORITY_BROKERS)
+def test_a_higher_priority_message_is_delivered_first_then_arrival_order(kind, ledger):
+    queue_name = f"runstile_priority_{os.getpid()}_{time.monotonic_ns()}"
+    made = priority_broker(kind, ledger)
+    try:
+        made.declare_queue(queue_name)
+        sent = [(0, "a"), (0, "b"), (5, "c"), (9, "d"), (9, "e"), (3, "f")]
+        for priority, tag in sent:
+            # A run's own message (dispatch.message_for), on the test's fresh queue.
+            message = dispatch.message_for(tag, 1, priority).copy(queue_name=queue_name)
+            assert message.options["broker_priority"] == priority
+            made.enqueue(message)
+        assert consume_all(made, queue_name, len(sent)) == ["d", "e", "c", "f", "a", "b"]
+    finally:
+        delete_queues(made, queue_name)
+        made.close()
+
+
+@pytest.mark.broker
+def test_a_rabbitmq_queue_declared_without_priority_still_takes_runs_in_arrival_order():
+    """PRECONDITION_FAILED for x-max-priority on a queue from before priorities: runstile
+    declares it as it is (a warning) instead of failing every publish."""
+    broker_available("rabbitmq")
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    queue_name = f"runstile_legacy_{os.getpid()}_{time.monotonic_ns()}"
+    old = RabbitmqBroker(url=RABBITMQ_URL, middleware=[])
+    old.declare_queue(queue_name)
+    old.enqueue(dispatch.message_for("before", 1).copy(queue_name=queue_name))
+    made = dispatch.external_broker(RABBITMQ_URL, middleware=[], publishing=True)
+    try:
+        made.declare_queue(queue_name)
+        for priority, tag in [(0, "low"), (9, "high")]:
+            made.enqueue(dispatch.message_for(tag, 1, priority).copy(queue_name=queue_name))
+        assert made.without_priority == {queue_name, f"{queue_name}.DQ"}
+        assert consume_all(made, queue_name, 3) == ["before", "low", "high"]
+    finally:
+        delete_queues(made, queue_name)
+        made.close()
+        old.close()
