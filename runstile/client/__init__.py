@@ -69,14 +69,16 @@ class Client(HttpApi):
     def submit(self, task: str | None, input: Any = None, *, idempotency_key: str | None = None,
                run_id: str | None = None, session_key: str | None = None,
                trigger_id: str | None = None, callback_url: str | None = None,
-               metadata: dict[str, str] | None = None) -> dict:
+               metadata: dict[str, str] | None = None, priority: int | None = None) -> dict:
         """Admit a run (``POST /v1/runs``); returns the run object with ``replayed``.
+        ``priority`` (0-9) is sent only when given: without it the server's default, 5.
 
         Without ``idempotency_key`` a uuid4 is generated; every retry of this call sends
         the same key, so the server admits at most one run for it.
         """
         body = {"task": task, "input": input, "run_id": run_id, "session_key": session_key,
-                "trigger_id": trigger_id, "callback_url": callback_url, "metadata": metadata}
+                "trigger_id": trigger_id, "callback_url": callback_url, "metadata": metadata,
+                "priority": priority}
         payload = json.dumps({k: v for k, v in body.items() if v is not None},
                              separators=(",", ":"), allow_nan=False).encode()
         key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())

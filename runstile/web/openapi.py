@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 document served at /openapi.json (``web/service.py``).
 
-Built from one function per component and per group of routes.  The request body's
-limits are admission's own (``web/admission.py``, and ``netguard`` for the callback URL),
-so the document cannot drift from what admission checks; tests/api/test_openapi_fuzz.py
+Built from one function per group of routes here and one per component in
+``web/openapi_components.py`` (the schemas, whose request body limits are admission's
+own, so the document cannot drift from what admission checks); tests/api/test_openapi_fuzz.py
 fuzzes the served document and tests/api/test_auth_and_service.py checks it covers every
 route.
 """

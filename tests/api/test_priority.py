@@ -50,3 +50,13 @@ def test_an_explicit_default_priority_is_another_request_than_no_priority(api):
     assert api.post_run({**BODY, "priority": 5},
                         idempotency_key="fp-3").json()["replayed"] is True
     assert api.post_run({**BODY, "priority": 6}, idempotency_key="fp-3").status_code == 409
+
+
+def test_the_client_sends_priority_only_when_given(api):
+    from runstile.client import Client
+    client = Client(api.server.url, api.key.secret)
+    try:
+        assert client.submit("echo")["priority"] == 5
+        assert client.submit("echo", priority=8)["priority"] == 8
+    finally:
+        client.close()

@@ -5,7 +5,8 @@ priority never overtakes a session's order.
 The order is read from the tasks' own execution log, never from the ledger.  One worker
 thread, held by a blocking run, and a queue prefetch of 1 (Dramatiq's
 ``dramatiq_queue_prefetch``): nothing is claimed early, so every later run waits in the
-ledger, where the consumer's fetch orders it (docs/operations.md, "Run priority").
+ledger, where the consumer's fetch orders it (docs/operations.md, "Run priority and
+prefetch").
 """
 
 from __future__ import annotations
