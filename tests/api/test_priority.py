@@ -60,3 +60,12 @@ def test_the_client_sends_priority_only_when_given(api):
         assert client.submit("echo", priority=8)["priority"] == 8
     finally:
         client.close()
+
+
+def test_a_retry_keeps_its_originals_priority_in_its_run_and_its_message(api):
+    from tests.api.test_retry import cancelled, retry
+    original = cancelled(api, priority=8)
+    again = retry(api, original).json()
+    assert (again["retry_of"], again["priority"]) == (original, 8)
+    assert api.ledger.query("SELECT priority FROM broker_messages WHERE run_id = ?",
+                            (again["id"],)) == [(8,)]
