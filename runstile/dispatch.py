@@ -18,6 +18,7 @@ Duplicates are harmless: the claim lets one execution through.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -53,8 +54,27 @@ def delivery_message(obligation_id: str) -> dramatiq.Message:
                             kwargs={}, options={})
 
 
+def wait_of(run: dict[str, Any]) -> float:
+    """Seconds until ``run`` may start: until its ``not_before`` (docs/api.md, "Delayed
+    runs"), 0 once that has passed or when it has none.  The ledger clock (``db.NOW``) is
+    this host's clock, as ``time.time()`` is."""
+    not_before = run.get("not_before")
+    return 0.0 if not_before is None else max(0.0, not_before - time.time())
+
+
+def _eta_ms(run: dict[str, Any], delay_s: float) -> int:
+    """A delayed message's eta (Unix ms): ``delay_s`` from now, and never before the run's
+    not_before (rounded up past it, so the claim the message brings finds it due)."""
+    eta_ms = int((time.time() + delay_s) * 1000)
+    not_before = run.get("not_before")
+    if not_before is not None:
+        eta_ms = max(eta_ms, math.ceil(not_before * 1000) + 1)
+    return eta_ms
+
+
 class _EmbeddedEnqueue:
-    """The embedded broker's enqueue: the message row joins the transaction."""
+    """The embedded broker's enqueue: the message row joins the transaction.  A run with a
+    not_before ahead gets a delayed message, due then, whatever ``delay_s`` says."""
 
     in_transaction = True
 
@@ -67,17 +87,18 @@ class _EmbeddedEnqueue:
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> broker_queue.NewMessage:
         message = message_for(run["id"], dispatch_id)
-        if self.delay_s <= 0:
+        if self.delay_s <= 0 and wait_of(run) <= 0:
             return QUEUE, message.message_id, message.encode(), None, run["id"]
         # Dramatiq's convention: a delayed message waits on ``<queue>.DQ`` with an eta.
-        eta_ms = int((time.time() + self.delay_s) * 1000)
+        eta_ms = _eta_ms(run, self.delay_s)
         delayed = message.copy(queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
         return delayed.queue_name, delayed.message_id, delayed.encode(), eta_ms / 1000, run["id"]
 
 
 class _PublishAfterCommit:
     """Redis and RabbitMQ: a message cannot join an SQLite transaction, so the commit owes
-    the publish of the record (ledger/owed.py) and :meth:`Dispatcher.after_commit` pays."""
+    the publish of the record (ledger/owed.py) and :meth:`Dispatcher.after_commit` pays:
+    delayed until the run's not_before, if that is further than ``delay_s``."""
 
     in_transaction = False
 
@@ -85,10 +106,17 @@ class _PublishAfterCommit:
         self.delay_s = delay_s
 
     def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
-        db.owe_publish(conn, dispatch_id, run["id"], self.delay_s)
+        db.owe_publish(conn, dispatch_id, run["id"], max(self.delay_s, publish_wait(run)))
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> None:
         return None
+
+
+def publish_wait(run: dict[str, Any]) -> float:
+    """:func:`wait_of`, rounded up to the broker's milliseconds (plus one), so the message
+    never comes before the run is due."""
+    wait = wait_of(run)
+    return 0.0 if wait <= 0 else (math.ceil(wait * 1000) + 1) / 1000
 
 
 # ------------------------------------------------------------ Redis and RabbitMQ
@@ -241,8 +269,9 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
                     exc.message)
         return 0
     published = 0
-    for dispatch_id, run_id in pending:
-        if not publish(settings, conn, run_id, dispatch_id, delay_s=delay_s):
+    for dispatch_id, run_id, not_before in pending:
+        wait = publish_wait({"not_before": not_before})
+        if not publish(settings, conn, run_id, dispatch_id, delay_s=max(delay_s, wait)):
             break
         published += 1
     return published

@@ -20,6 +20,18 @@ FIELDS = ("task", "input", "run_id", "session_key", "trigger_id", "callback_url"
 #: original run's fields and its id.  No plain admission's canonical body holds
 #: ``retry_of``, so an Idempotency-Key used for one can never replay the other.
 RETRY_FIELDS = (*FIELDS, "retry_of")
+#: A delayed run's fields (docs/api.md, "Delayed runs"): ``delay_s`` as sent, or
+#: ``not_before`` as a canonical UTC RFC 3339 string.  Each takes part only when present,
+#: so a body without them keeps the canonical form, and every idempotency record stored
+#: before delayed runs existed still replays.
+DELAY_FIELDS = ("delay_s", "not_before")
+
+
+def fields_for(normalised: dict) -> tuple[str, ...]:
+    """The fields an admission's fingerprint is over: FIELDS, plus those of DELAY_FIELDS
+    that ``normalised`` holds (not None)."""
+    present = tuple(name for name in DELAY_FIELDS if normalised.get(name) is not None)
+    return (*FIELDS, *present) if present else FIELDS
 
 
 class NotCanonicalisable(ValueError):

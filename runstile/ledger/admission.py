@@ -58,6 +58,9 @@ class AdmissionRequest:
     fingerprint: str
     fingerprint_version: int
     retry_of: str | None = None  # the run a retry is a new run of (docs/api.md)
+    #: A delayed run (docs/api.md, "Delayed runs"), at most one set: runs.not_before.
+    delay_s: float | None = None  # seconds after the reservation's ledger clock
+    not_before: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,13 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
     # The capacity check rides on the INSERT: no row comes back when the profile is full.
     row = conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, status, "
-        f"attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', "
-        f"1, {NOW}, {NOW} WHERE COALESCE((SELECT active_runs FROM profiles WHERE id = ?), 0) "
-        "< ? RETURNING *",
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, not_before, "
+        "status, attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+        f"COALESCE({NOW} + ?, ?), 'queued', 1, {NOW}, {NOW} WHERE COALESCE((SELECT "
+        "active_runs FROM profiles WHERE id = ?), 0) < ? RETURNING *",
         (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
          req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version,
-         req.retry_of, scope[0], max_active_runs),
-    ).fetchone()
+         req.retry_of, req.delay_s, req.not_before, scope[0], max_active_runs)).fetchone()
     if row is None:
         raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "
                                f"(the limit)")

@@ -29,7 +29,7 @@ _RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_k
                 "updated_at", "started_at", "finished_at", "approval", "owner_node",
                 "owner_generation", "owner_pid", "owner_thread", "lease_expires_at",
                 "interruption", "slot_wait_since", "retry_of", "task_wait_since",
-                "wait_profile_cap", "wait_task_limit")
+                "wait_profile_cap", "wait_task_limit", "not_before")
 _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 
@@ -74,14 +74,20 @@ def _insert_runs(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
         args += (run_id, req.principal.profile_id, req.principal.key_id, req.task,
                  req.input_json, req.session_key, req.trigger_id, req.metadata_json,
                  req.callback_url, req.fingerprint, req.fingerprint_version, req.retry_of,
-                 now, now)
+                 not_before(req, now), now, now)
     # (After an INSERT, lastrowid is the last new row's id: never None.)
     return cast(int, conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, created_at, "
-        "updated_at, status, attempt) VALUES "
-        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, not_before, "
+        "created_at, updated_at, status, attempt) VALUES "
+        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
         args).lastrowid)
+
+
+def not_before(req: AdmissionRequest, now: float) -> float | None:
+    """The new run's runs.not_before, as _reserve's INSERT computes it: ``now`` (the
+    ledger clock of the reservation) + delay_s, or the time sent, or None."""
+    return now + req.delay_s if req.delay_s is not None else req.not_before
 
 
 def _insert_keys(conn: sqlite3.Connection, fresh: Fresh, now: float) -> None:
@@ -128,5 +134,5 @@ def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[s
                metadata=req.metadata_json, callback_url=req.callback_url,
                fingerprint=req.fingerprint, fingerprint_version=req.fingerprint_version,
                retry_of=req.retry_of, status="queued", attempt=1, recovery_attempts=0,
-               created_at=now, updated_at=now)
+               created_at=now, updated_at=now, not_before=not_before(req, now))
     return run

@@ -52,6 +52,13 @@ def not_waiting_for_a_slot(alias: str = "") -> str:
     return " AND ".join(f"{alias}{mark} IS NULL" for mark in SLOT_MARKS)
 
 
+def due(alias: str = "", behind: str = "0") -> str:
+    """SQL condition: the run (``alias`` + '.', or none) may start by now, its not_before
+    (docs/api.md, "Delayed runs") none or at least ``behind`` (an SQL expression, seconds)
+    behind the ledger clock."""
+    return f"({alias}not_before IS NULL OR {alias}not_before <= {NOW} - {behind})"
+
+
 def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,
                  enqueue: Enqueue | None) -> int:
     """Record that ``run`` must reach a worker; inside the caller's transaction.

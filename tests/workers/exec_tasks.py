@@ -298,3 +298,10 @@ def one_at_a_time(ctx, input):
 @runstile.task("t.two_at_a_time", concurrency=2)
 def two_at_a_time(ctx, input):
     return _hold(ctx, input)
+
+
+@runstile.task("t.log_time")
+def log_time(ctx, input):
+    """Logs the wall-clock time its body started at (delayed runs' tests)."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt} {time.time():.6f}")
+    return {"n": input.get("n")}
