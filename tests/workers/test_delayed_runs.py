@@ -108,3 +108,20 @@ def test_an_early_message_is_a_no_op_and_the_run_still_starts_at_its_time(make_s
                         "reason = 'not_due'", (run["id"],)) == [(1,)]
     assert_started_in_its_window(api, run["id"], log, not_before)
     assert rfc3339(not_before) == run["not_before"]
+
+
+def test_a_delayed_head_of_a_session_holds_back_the_runs_after_it(make_system, ledger,
+                                                                  tmp_path):
+    system = make_system(workers=1, threads=2)
+    api = Api(system, ledger.key(), ledger)
+    log = tmp_path / "executions.log"
+    head = api.post_run({"task": "t.log_time", "input": {"log": str(log)},
+                         "session_key": "s", "delay_s": 1.5}).json()
+    later = api.post_run({"task": "t.log_time", "input": {"log": str(log)},
+                          "session_key": "s"}).json()
+    not_before = parse_rfc3339(head["not_before"])
+    assert_started_in_its_window(api, head["id"], log, not_before)
+    wait_for_status(api, later["id"], statuses=("completed",), timeout_s=10)
+    starts = body_starts(log)
+    assert list(starts) == [head["id"], later["id"]]
+    assert starts[later["id"]] >= not_before
