@@ -31,7 +31,7 @@ from .config import Settings
 from .errors import RunstileError
 from .ledger import broker_queue, db, dispatches, obligations
 from .ledger.owed import Owed
-from .ledger.runs import Enqueue
+from .ledger.runs import Enqueue, eta_ms, publish_wait, wait_of
 
 log = logging.getLogger("runstile.dispatch")
 
@@ -64,7 +64,8 @@ def delivery_message(obligation_id: str) -> dramatiq.Message:
 
 
 class _EmbeddedEnqueue:
-    """The embedded broker's enqueue: the message row joins the transaction."""
+    """The embedded broker's enqueue: the message row joins the transaction.  A run with a
+    not_before ahead gets a delayed message, due then, whatever ``delay_s`` says."""
 
     in_transaction = True
 
@@ -79,19 +80,20 @@ class _EmbeddedEnqueue:
     def message(self, run: dict[str, Any], dispatch_id: int) -> broker_queue.NewMessage:
         priority = priority_of(run)
         message = message_for(run["id"], dispatch_id, priority)
-        if self.delay_s <= 0:
+        if self.delay_s <= 0 and wait_of(run) <= 0:
             return QUEUE, message.message_id, message.encode(), None, run["id"], priority
         # Dramatiq's convention: a delayed message waits on ``<queue>.DQ`` with an eta.
-        eta_ms = int((time.time() + self.delay_s) * 1000)
+        eta = eta_ms(run, self.delay_s)
         delayed = message.copy(queue_name=f"{QUEUE}.DQ",
-                               options={"eta": eta_ms, "broker_priority": priority})
-        return (delayed.queue_name, delayed.message_id, delayed.encode(), eta_ms / 1000,
+                               options={"eta": eta, "broker_priority": priority})
+        return (delayed.queue_name, delayed.message_id, delayed.encode(), eta / 1000,
                 run["id"], priority)
 
 
 class _PublishAfterCommit:
     """Redis and RabbitMQ: a message cannot join an SQLite transaction, so the commit owes
-    the publish of the record (ledger/owed.py) and :meth:`Dispatcher.after_commit` pays."""
+    the publish of the record (ledger/owed.py) and :meth:`Dispatcher.after_commit` pays:
+    delayed until the run's not_before, if that is further than ``delay_s``."""
 
     in_transaction = False
 
@@ -99,7 +101,8 @@ class _PublishAfterCommit:
         self.delay_s = delay_s
 
     def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
-        db.owe_publish(conn, dispatch_id, run["id"], self.delay_s, priority_of(run))
+        db.owe_publish(conn, dispatch_id, run["id"], max(self.delay_s, publish_wait(run)),
+                       priority_of(run))
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> None:
         return None
@@ -262,8 +265,9 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
                     exc.message)
         return 0
     published = 0
-    for dispatch_id, run_id, priority in pending:
-        if not publish(settings, conn, run_id, dispatch_id, delay_s=delay_s,
+    for dispatch_id, run_id, not_before, priority in pending:
+        wait = publish_wait({"not_before": not_before})
+        if not publish(settings, conn, run_id, dispatch_id, delay_s=max(delay_s, wait),
                        priority=priority):
             break
         published += 1

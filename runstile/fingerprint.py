@@ -25,12 +25,25 @@ RETRY_FIELDS = (*FIELDS, "retry_of")
 #: canonical form it had before priorities existed and every stored record still
 #: replays.  ``{"priority": 5}`` and no priority are therefore different requests.
 PRIORITY_FIELDS = (*FIELDS, "priority")
+#: A delayed run's fields (docs/api.md, "Delayed runs"): ``delay_s`` as sent, or
+#: ``not_before`` as a canonical UTC RFC 3339 string.  Each takes part only when present,
+#: so a body without them keeps the canonical form, and every idempotency record stored
+#: before delayed runs existed still replays.
+DELAY_FIELDS = ("delay_s", "not_before")
+#: Every field that takes part only when present, in the order they are appended.
+OPTIONAL_FIELDS = ("priority", *DELAY_FIELDS)
 
 
-def admission_fields(normalised: dict) -> tuple[str, ...]:
-    """The fields an admission's fingerprint is over: PRIORITY_FIELDS when its body named
-    a priority (normalised to an integer), FIELDS otherwise."""
-    return FIELDS if normalised.get("priority") is None else PRIORITY_FIELDS
+def fields_for(normalised: dict) -> tuple[str, ...]:
+    """The fields an admission's fingerprint is over: FIELDS, plus those of
+    OPTIONAL_FIELDS (priority, delay_s, not_before) that ``normalised`` holds (not None).
+    A body with none of them hashes exactly as before either feature existed."""
+    present = tuple(name for name in OPTIONAL_FIELDS if normalised.get(name) is not None)
+    return (*FIELDS, *present) if present else FIELDS
+
+
+#: The name the priority work gave :func:`fields_for`.
+admission_fields = fields_for
 
 
 class NotCanonicalisable(ValueError):

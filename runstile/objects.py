@@ -65,6 +65,7 @@ def run_object(row: dict) -> dict:
         "finished_at": rfc3339(row["finished_at"]),
         "attempt": row["attempt"],
         "retry_of": row.get("retry_of"),
+        "not_before": rfc3339(row.get("not_before")),
         "priority": row.get("priority", 5),
         "result": _json(row["result"]),
         "error": error,

@@ -60,6 +60,9 @@ class AdmissionRequest:
     fingerprint_version: int
     retry_of: str | None = None  # the run a retry is a new run of (docs/api.md)
     priority: int = DEFAULT_PRIORITY  # 0-9, higher first (docs/api.md, "POST /v1/runs")
+    #: A delayed run (docs/api.md, "Delayed runs"), at most one set: runs.not_before.
+    delay_s: float | None = None  # seconds after the reservation's ledger clock
+    not_before: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,14 +143,14 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
     # The capacity check rides on the INSERT: no row comes back when the profile is full.
     row = conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, priority, "
-        f"status, attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-        f"?, 'queued', 1, {NOW}, {NOW} WHERE COALESCE((SELECT active_runs FROM profiles "
-        "WHERE id = ?), 0) < ? RETURNING *",
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, not_before, "
+        "priority, status, attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, "
+        f"?, ?, ?, ?, COALESCE({NOW} + ?, ?), ?, 'queued', 1, {NOW}, {NOW} WHERE COALESCE("
+        "(SELECT active_runs FROM profiles WHERE id = ?), 0) < ? RETURNING *",
         (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
          req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version,
-         req.retry_of, req.priority, scope[0], max_active_runs),
-    ).fetchone()
+         req.retry_of, req.delay_s, req.not_before, req.priority, scope[0],
+         max_active_runs)).fetchone()
     if row is None:
         raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "
                                f"(the limit)")
@@ -161,7 +164,7 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
 
 #: A key's record as the reservation reads it: (run id, fingerprint, fingerprint version,
 #: tombstone).  The run id and fingerprint are None for a tombstone.  The row itself
-#: (:func:`_key_record`) or a tuple of its values (:func:`_key_records`).
+#: (:func:`_key_record`) or a tuple of its values (``admission_rows.key_records``).
 _KeyRecord = Sequence[Any]
 
 
@@ -317,8 +320,8 @@ class _Batch:
         self.conn = conn
         #: Every reservation's outcome, each set by the time reserve_many returns.
         self.outcomes: list[Outcome | None] = [None] * len(reservations)
-        self.records = _key_records(conn, [r.req for r in reservations
-                                           if r.req.key is not None and r.req.run_id is None])
+        self.records = admission_rows.key_records(
+            conn, [r.req for r in reservations if r.req.key is not None and r.req.run_id is None])
         self.claimed: set[tuple[str, ...]] = set()  # new runs' ("key", scope..., key), ("run", id)
         self.bound: set[tuple[str, ...]] = set()  # keys a replay in this batch bound to a run id
         self.capacity: dict[str, int] = {}  # profile -> new runs it may still take
@@ -375,26 +378,3 @@ class _Batch:
         if self.capacity[profile_id] <= 0:
             raise CapacityExceeded(f"this profile already has {max_active_runs} "
                                    f"unfinished runs (the limit)")
-
-
-def _key_records(conn: sqlite3.Connection,
-                 reqs: list[AdmissionRequest]) -> dict[tuple[str, str, str], _KeyRecord]:
-    """{(profile, key id, key): record} for those of ``reqs``' keys that have a record:
-    one indexed read per scope (an IN list on the primary key) instead of one per key."""
-    by_scope: dict[tuple[str, str], list[str | None]] = {}  # (None never: reqs have keys)
-    for req in reqs:
-        by_scope.setdefault((req.principal.profile_id, req.principal.key_id), []).append(req.key)
-    records: dict[tuple[str, str, str], _KeyRecord] = {}
-    for (profile_id, key_id), keys in by_scope.items():
-        marks = ", ".join("?" * len(keys))
-        for row in conn.execute(
-                "SELECT idempotency_key, run_id, fingerprint, fingerprint_version, 0 "
-                "FROM idempotency_keys WHERE profile_id = ? AND key_id = ? AND "
-                f"idempotency_key IN ({marks}) UNION ALL SELECT idempotency_key, NULL, NULL, "
-                "NULL, 1 FROM key_tombstones WHERE profile_id = ? AND key_id = ? AND "
-                f"idempotency_key IN ({marks})", (profile_id, key_id, *keys,
-                                                  profile_id, key_id, *keys)):
-            # A key is never both bound and a tombstone; if it were, the binding wins
-            # (it is read first), as in _key_record.
-            records.setdefault((profile_id, key_id, row[0]), tuple(row[1:]))
-    return records

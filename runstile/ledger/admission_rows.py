@@ -4,13 +4,14 @@
 order, then hands the new runs to :func:`write_new_runs`, inside the batch's transaction
 (``ledger/group_commit.py``, or the admission writer of ``web/writer/``).  The rows are
 those :func:`runstile.ledger.admission._reserve` would write one run at a time.
+:func:`key_records` reads the batch's idempotency records first, one read per scope.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from . import broker_queue
@@ -29,7 +30,7 @@ _RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_k
                 "updated_at", "started_at", "finished_at", "approval", "owner_node",
                 "owner_generation", "owner_pid", "owner_thread", "lease_expires_at",
                 "interruption", "slot_wait_since", "retry_of", "task_wait_since",
-                "wait_profile_cap", "wait_task_limit", "priority")
+                "wait_profile_cap", "wait_task_limit", "not_before", "priority")
 _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 
@@ -74,14 +75,20 @@ def _insert_runs(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
         args += (run_id, req.principal.profile_id, req.principal.key_id, req.task,
                  req.input_json, req.session_key, req.trigger_id, req.metadata_json,
                  req.callback_url, req.fingerprint, req.fingerprint_version, req.retry_of,
-                 req.priority, now, now)
+                 not_before(req, now), req.priority, now, now)
     # (After an INSERT, lastrowid is the last new row's id: never None.)
     return cast(int, conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
-        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, priority, "
-        "created_at, updated_at, status, attempt) VALUES "
-        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
+        "metadata, callback_url, fingerprint, fingerprint_version, retry_of, not_before, "
+        "priority, created_at, updated_at, status, attempt) VALUES "
+        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
         args).lastrowid)
+
+
+def not_before(req: AdmissionRequest, now: float) -> float | None:
+    """The new run's runs.not_before, as _reserve's INSERT computes it: ``now`` (the
+    ledger clock of the reservation) + delay_s, or the time sent, or None."""
+    return now + req.delay_s if req.delay_s is not None else req.not_before
 
 
 def _insert_keys(conn: sqlite3.Connection, fresh: Fresh, now: float) -> None:
@@ -128,5 +135,29 @@ def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[s
                metadata=req.metadata_json, callback_url=req.callback_url,
                fingerprint=req.fingerprint, fingerprint_version=req.fingerprint_version,
                retry_of=req.retry_of, priority=req.priority, status="queued", attempt=1,
-               recovery_attempts=0, created_at=now, updated_at=now)
+               recovery_attempts=0, created_at=now, updated_at=now,
+               not_before=not_before(req, now))
     return run
+
+
+def key_records(conn: sqlite3.Connection,
+                reqs: list[AdmissionRequest]) -> dict[tuple[str, str, str], Sequence[Any]]:
+    """{(profile, key id, key): record} for those of ``reqs``' keys that have a record:
+    one indexed read per scope (an IN list on the primary key) instead of one per key."""
+    by_scope: dict[tuple[str, str], list[str | None]] = {}  # (None never: reqs have keys)
+    for req in reqs:
+        by_scope.setdefault((req.principal.profile_id, req.principal.key_id), []).append(req.key)
+    records: dict[tuple[str, str, str], Sequence[Any]] = {}
+    for (profile_id, key_id), keys in by_scope.items():
+        marks = ", ".join("?" * len(keys))
+        for row in conn.execute(
+                "SELECT idempotency_key, run_id, fingerprint, fingerprint_version, 0 "
+                "FROM idempotency_keys WHERE profile_id = ? AND key_id = ? AND "
+                f"idempotency_key IN ({marks}) UNION ALL SELECT idempotency_key, NULL, NULL, "
+                "NULL, 1 FROM key_tombstones WHERE profile_id = ? AND key_id = ? AND "
+                f"idempotency_key IN ({marks})", (profile_id, key_id, *keys,
+                                                  profile_id, key_id, *keys)):
+            # A key is never both bound and a tombstone; if it were, the binding wins
+            # (it is read first), as in admission._key_record.
+            records.setdefault((profile_id, key_id, row[0]), tuple(row[1:]))
+    return records

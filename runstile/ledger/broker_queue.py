@@ -129,6 +129,13 @@ def _reap(conn: sqlite3.Connection) -> int:
     return released
 
 
+def consumers_on(conn: sqlite3.Connection, host: str) -> list[tuple[str, int]]:
+    """(consumer id, pid) of the consumers registered from ``host``."""
+    with db.ledger_errors():
+        return [(row[0], row[1]) for row in conn.execute(
+            "SELECT id, pid FROM broker_consumers WHERE host = ?", (host,))]
+
+
 def has_ready(conn: sqlite3.Connection, queue_name: str) -> bool:
     """Cheap read: is anything waiting on ``queue_name``?  (Avoids an idle write lock.)"""
     with db.ledger_errors():

@@ -19,15 +19,17 @@ from typing import Any
 
 from . import db
 from .db import NOW
-from .runs import not_waiting_for_a_slot
+from .runs import due, not_waiting_for_a_slot
 from .sessions import CLAIMABLE
 
 
 def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
            created_since: float | None = None, run_ids: Sequence[str] | None = None,
            session: tuple[str, str, str] | None = None,
-           profile: str | None = None) -> list[tuple[int, str, int]]:
-    """``(dispatch id, run id, run priority)`` of unsent records whose run is still queued, oldest first.
+           profile: str | None = None) -> list[tuple[int, str, float | None, int]]:
+    """``(dispatch id, run id, the run's not_before, the run's priority)`` of unsent
+    records whose run is still queued, oldest first (a delayed run's record is published
+    delayed).
 
     ``older_than_s`` leaves alone records a publisher is probably handling right now;
     ``created_since`` (a ledger time) brings back younger ones anyway (those a recovery
@@ -55,10 +57,10 @@ def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
         args.append(profile)
     with db.ledger_errors():
         rows = conn.execute(
-            "SELECT d.id, d.run_id, r.priority FROM dispatches d JOIN runs r ON r.id = d.run_id "
-            f"WHERE {' AND '.join(clauses)} ORDER BY d.created_at, d.id LIMIT ?",
-            (*args, limit)).fetchall()
-    return [(row[0], row[1], row[2]) for row in rows]
+            "SELECT d.id, d.run_id, r.not_before, r.priority FROM dispatches d JOIN runs r "
+            f"ON r.id = d.run_id WHERE {' AND '.join(clauses)} ORDER BY d.created_at, d.id "
+            "LIMIT ?", (*args, limit)).fetchall()
+    return [(row[0], row[1], row[2], row[3]) for row in rows]
 
 
 def mark_sent(conn: sqlite3.Connection, dispatch_id: int, *, live_in_s: float = 0.0) -> bool:
@@ -88,9 +90,12 @@ def lost_queued(conn: sqlite3.Connection, *, older_than_s: float,
             f"SELECT r.* FROM runs r WHERE r.status = 'queued' AND r.updated_at <= {NOW} - ? "
             "AND NOT EXISTS (SELECT 1 FROM dispatches d WHERE d.run_id = r.id AND "
             f"(d.sent_at IS NULL OR d.sent_at > {NOW} - ?)) AND {CLAIMABLE} "
+            # A delayed run is not lost before its time: its message is due then.
+            f"AND {due('r.', '?')} "
             # A run waiting for a slot of its profile or its task has no message on
             # purpose: whatever frees a slot dispatches it, and recovery step 5 covers a
             # lost one.
             f"AND {not_waiting_for_a_slot('r.')} "
-            "ORDER BY r.updated_at LIMIT ?", (older_than_s, older_than_s, limit)).fetchall()
+            "ORDER BY r.updated_at LIMIT ?",
+            (older_than_s, older_than_s, older_than_s, limit)).fetchall()
     return [dict(r) for r in rows]

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import db, events, sessions, slots
 from .db import NOW
-from .runs import SLOT_MARKS, Enqueue, add_dispatch
+from .runs import SLOT_MARKS, Enqueue, add_dispatch, due
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ class Claim:
     """The outcome of a claim: ``run`` is set when this worker won and may start the body."""
 
     run: dict[str, Any] | None
-    #: claimed | missing | not_queued | session_busy | not_session_head | unknown_task |
-    #: profile_busy | task_busy
+    #: claimed | missing | not_queued | session_busy | not_session_head | not_due |
+    #: unknown_task | profile_busy | task_busy
     outcome: str
 
 
@@ -85,6 +85,12 @@ def _refusal(conn: sqlite3.Connection, row: dict[str, Any], task_known: Callable
         # Not this run's turn in its session; whatever frees the session will dispatch
         # the next run, so this message is a no-op.
         return refusal
+    if row["not_before"] is not None and not _due(conn, row):
+        # Before its time (an early duplicate, a clock step): this message is a no-op, and
+        # the transaction hands the run a message due at its not_before (the enqueue
+        # delays it that long, docs/api.md "Delayed runs"), so its start is not lost.
+        add_dispatch(conn, row, "not_due", enqueue)
+        return "not_due"
     if not task_known(row["task"]):
         _fail_unknown_task(conn, row, enqueue)
         return "unknown_task"
@@ -94,6 +100,11 @@ def _refusal(conn: sqlite3.Connection, row: dict[str, Any], task_known: Callable
     return slots.claim_refusal(conn, row, limits, enqueue)
 
 
+def _due(conn: sqlite3.Connection, row: dict[str, Any]) -> bool:
+    """Has the ledger clock reached the run's not_before?"""
+    return bool(conn.execute(f"SELECT ? <= {NOW}", (row["not_before"],)).fetchone()[0])
+
+
 def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float) -> Claim:
     """queued -> running for ``owner``, in the claim's transaction; its marks go."""
     run = conn.execute(
@@ -101,7 +112,8 @@ def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float) 
         f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
         f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, interruption = NULL, "
         f"{', '.join(f'{mark} = NULL' for mark in SLOT_MARKS)} WHERE id = ? AND "
-        "status = 'queued' RETURNING *", (*_owner_args(owner), lease_s, run_id)).fetchone()
+        f"status = 'queued' AND {due()} RETURNING *",
+        (*_owner_args(owner), lease_s, run_id)).fetchone()
     if run is None:
         return Claim(None, "not_queued")
     run = dict(run)

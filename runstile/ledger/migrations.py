@@ -32,7 +32,8 @@ MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (4, _script("schema_v4_profile_slots.sql")),  # runs waiting for a slot of their profile
     (5, _script("schema_v5_retry_of.sql")),  # the run a retry is a new run of
     (6, _script("schema_v6_task_slots.sql")),  # runs waiting for a slot of their task
-    (8, _script("schema_v8_priority.sql")),  # run priority (7 is another branch's)
+    (7, _script("schema_v7_not_before.sql")),  # delayed runs: not claimed before this time
+    (8, _script("schema_v8_priority.sql")),  # run priority
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -19,7 +19,7 @@ from typing import Any
 from . import db, events, sessions, slots
 from .db import NOW
 from .journal import uncertain_steps
-from .runs import Enqueue, add_dispatch, not_waiting_for_a_slot
+from .runs import Enqueue, add_dispatch, due, not_waiting_for_a_slot
 
 #: Columns whose values recovery guards on; a change means "not the row I judged".
 _GUARD = ("id = ? AND status = ? AND owner_node IS ? AND owner_generation IS ? AND "
@@ -217,12 +217,13 @@ def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float,
     """Queued runs, idle longer than ``older_than_s``, with no live message in the
     embedded broker (a message that was dead-lettered, flushed or lost).  Not those
     waiting for a slot of their profile or their task: they have no message on purpose,
-    and step 5 hands them out (ledger/slots.py)."""
+    and step 5 hands them out (ledger/slots.py).  Nor a delayed run before its time: it
+    is idle on purpose, and its message counts as lost only that long after its time."""
     rows = conn.execute(
         f"SELECT * FROM runs WHERE status = 'queued' AND updated_at <= {NOW} - ? AND NOT EXISTS "
         "(SELECT 1 FROM broker_messages m WHERE m.run_id = runs.id AND m.state != 'dead') "
-        f"AND {not_waiting_for_a_slot()} ORDER BY updated_at LIMIT ?",
-        (older_than_s, limit)).fetchall()
+        f"AND {not_waiting_for_a_slot()} AND {due(behind='?')} ORDER BY updated_at LIMIT ?",
+        (older_than_s, older_than_s, limit)).fetchall()
     return [dict(r) for r in rows]
 
 

@@ -1,5 +1,7 @@
 """Runs: lookup and listing (docs/api.md, "GET /v1/runs"), and the dispatch record that
-every transition making a run claimable writes (:func:`add_dispatch`).
+every transition making a run claimable writes (:func:`add_dispatch`), and when a
+delayed run is due (:func:`due` in SQL; :func:`wait_of` and the message times
+``dispatch.py`` gives its messages).
 
 The web tier reads runs here (``web/runs.py``, ``web/streams.py``, ``web/deliveries.py``,
 ``web/approvals.py``); admission, re-queue, a session's next run and recovery write
@@ -9,7 +11,9 @@ their dispatch records through :func:`add_dispatch`.  Admitting a run is
 
 from __future__ import annotations
 
+import math
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -50,6 +54,38 @@ SLOT_MARKS = ("slot_wait_since", "task_wait_since")
 def not_waiting_for_a_slot(alias: str = "") -> str:
     """SQL condition: the run (``alias`` + '.', or none) waits for no slot."""
     return " AND ".join(f"{alias}{mark} IS NULL" for mark in SLOT_MARKS)
+
+
+def due(alias: str = "", behind: str = "0") -> str:
+    """SQL condition: the run (``alias`` + '.', or none) may start by now, its not_before
+    (docs/api.md, "Delayed runs") none or at least ``behind`` (an SQL expression, seconds)
+    behind the ledger clock."""
+    return f"({alias}not_before IS NULL OR {alias}not_before <= {NOW} - {behind})"
+
+
+def wait_of(run: dict[str, Any]) -> float:
+    """Seconds until ``run`` may start: until its ``not_before`` (docs/api.md, "Delayed
+    runs"), 0 once that has passed or when it has none.  The ledger clock (``db.NOW``) is
+    this host's clock, as ``time.time()`` is."""
+    not_before = run.get("not_before")
+    return 0.0 if not_before is None else max(0.0, not_before - time.time())
+
+
+def eta_ms(run: dict[str, Any], delay_s: float) -> int:
+    """A delayed message's eta (Unix ms): ``delay_s`` from now, and never before the run's
+    not_before (rounded up past it, so the claim the message brings finds it due)."""
+    eta = int((time.time() + delay_s) * 1000)
+    not_before = run.get("not_before")
+    if not_before is not None:
+        eta = max(eta, math.ceil(not_before * 1000) + 1)
+    return eta
+
+
+def publish_wait(run: dict[str, Any]) -> float:
+    """:func:`wait_of`, rounded up to the broker's milliseconds (plus one), so the message
+    never comes before the run is due."""
+    wait = wait_of(run)
+    return 0.0 if wait <= 0 else (math.ceil(wait * 1000) + 1) / 1000
 
 
 def add_dispatch(conn: sqlite3.Connection, run: dict[str, Any], reason: str,

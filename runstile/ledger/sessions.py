@@ -14,18 +14,20 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from .runs import Enqueue, add_dispatch, not_waiting_for_a_slot
+from .runs import Enqueue, add_dispatch, due, not_waiting_for_a_slot
 
 #: Statuses that hold a session's head.
 HOLDING = "('running', 'stopping', 'waiting_for_approval')"
 _SESSION = "profile_id = ? AND key_id = ? AND session_key = ?"
 #: Resumed runs first (a person asked for them), then admission order.
 _HEAD_ORDER = "ORDER BY (recovery_reason IS 'resumed') DESC, seq"
-#: SQL condition on a queued run ``r``: nothing holds its session and it is the session's
-#: head (or it has no session).  Recovery re-publishes only such runs, and a freed
-#: slot (ledger/slots.py) goes only to such a run; the others wait for whatever frees their session.
+#: SQL condition on a queued run ``r``: it is due (a delayed run's not_before has passed),
+#: nothing holds its session and it is the session's head (or it has no session).  A
+#: delayed head is still the head: the runs after it wait.  Recovery re-publishes only
+#: such runs, and a freed slot (ledger/slots.py) goes only to such a run; the others wait
+#: for whatever frees their session, or for their time.
 CLAIMABLE = (
-    "(r.session_key IS NULL OR (NOT EXISTS (SELECT 1 FROM runs h WHERE "
+    f"{due('r.')} AND (r.session_key IS NULL OR (NOT EXISTS (SELECT 1 FROM runs h WHERE "
     "h.profile_id = r.profile_id AND h.key_id = r.key_id AND h.session_key = r.session_key "
     f"AND h.status IN {HOLDING}) AND NOT EXISTS "
     "(SELECT 1 FROM runs q WHERE q.profile_id = r.profile_id AND q.key_id = r.key_id AND "
@@ -79,5 +81,6 @@ def heads_without_dispatch(conn: sqlite3.Connection, *, limit: int) -> list[dict
         f"{_HEAD_ORDER.replace('recovery_reason', 'q.recovery_reason').replace('seq', 'q.seq')} "
         # A head waiting for a slot of its profile or its task is dispatched when one
         # frees (recovery hands those out in the same step, ledger/slots.py).
-        f"LIMIT 1) AND {not_waiting_for_a_slot('r.')} LIMIT ?", (limit,)).fetchall()
+        f"LIMIT 1) AND {not_waiting_for_a_slot('r.')} AND {due('r.')} LIMIT ?",
+        (limit,)).fetchall()
     return [dict(r) for r in rows]

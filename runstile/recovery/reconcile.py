@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import socket
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -236,12 +238,30 @@ def _classify_batch(p: _Pass, batch: list[dict[str, Any]]) -> None:
             log.info("run %s: owner gone -> %s (%s)", run["id"], klass, reason)
 
 
+def _release_dead_consumers(p: _Pass) -> None:
+    """At boot, on the embedded broker: the messages held by consumers of this host whose
+    process is gone (a SIGKILLed tree) go back to ready at once, not a consumer timeout
+    later; a delayed run's message keeps its eta (docs/api.md, "Delayed runs").  A pid
+    that is alive (perhaps reused) is left to the timeout."""
+    for consumer_id, pid in broker_queue.consumers_on(p.conn, socket.gethostname()):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            p.report.counts["messages_released"] += broker_queue.close_consumer(
+                p.conn, consumer_id)
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def _republish(p: _Pass) -> None:
     """Step 4: runs still queued long after their dispatch without a live message (a
-    broker can lose messages) get a new one; Redis/RabbitMQ also their unsent records."""
+    broker can lose messages) get a new one; Redis/RabbitMQ also their unsent records.
+    At boot, first the messages held by this host's dead consumers go back to ready."""
     if p.enqueue is None:
         _republish_external(p)
         return
+    if p.trigger == "boot":
+        _release_dead_consumers(p)
     while True:
         with db.transaction(p.conn):
             stale = recovery.stranded_queued(p.conn, older_than_s=p.stale_s, limit=BATCH)
@@ -286,8 +306,10 @@ def _dispatch_session_heads(p: _Pass) -> None:
         return  # Redis/RabbitMQ: step 4's lost-message sweep covers queued heads
     with db.transaction(p.conn):
         for head in sessions.heads_without_dispatch(p.conn, limit=BATCH):
+            # Idle since its last change, or since its time (a delayed head).
+            idle_since = max(head["updated_at"] or 0.0, head["not_before"] or 0.0)
             if head["updated_at"] is not None and \
-                    recovery.ledger_now(p.conn) - head["updated_at"] > p.stale_s:
+                    recovery.ledger_now(p.conn) - idle_since > p.stale_s:
                 if recovery.republish(p.conn, head, p.enqueue):
                     p.report.counts["session_heads"] += 1
 

@@ -28,7 +28,7 @@ from ..fingerprint import (
     FINGERPRINT_VERSION,
     RETRY_FIELDS,
     NotCanonicalisable,
-    admission_fields,
+    fields_for,
     fingerprint,
 )
 from ..jsondepth import MAX_DEPTH, deep_field, text_too_deep
@@ -36,6 +36,7 @@ from ..ledger.admission import AdmissionRequest
 from ..ledger.broker_queue import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from ..ledger.keys import Principal
 from ..netguard import callback_refusal
+from . import delay
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
@@ -51,7 +52,7 @@ IDEMPOTENCY_KEY_PATTERN = "[!-~]{1,255}"
 _KEY = re.compile(IDEMPOTENCY_KEY_PATTERN)
 LEGACY_PREFIX = "legacy-run:"
 FIELDS = {"task", "input", "run_id", "session_key", "trigger_id", "callback_url", "metadata",
-          "priority"}
+          "priority", "delay_s", "not_before"}
 MAX_METADATA_KEYS = 32
 MAX_METADATA_VALUE = 512
 MAX_METADATA_KEY = 128
@@ -216,7 +217,7 @@ def build(request: Request, principal: Principal, *, settings: Settings,
     header_key = parse_idempotency_key(request.environ)
     fields = _schema(body, settings.default_task)
     try:
-        digest = fingerprint(fields, admission_fields(fields))
+        digest = fingerprint(fields, fields_for(fields))
     except NotCanonicalisable as exc:
         raise InvalidRequest(f"input cannot be canonicalised (RFC 8785): {exc}",
                              field="input") from None
@@ -224,6 +225,7 @@ def build(request: Request, principal: Principal, *, settings: Settings,
     key, derived = _key(header_key, run_id)
     # _schema refused a body without a task when there is no default one.
     task = cast(str, fields["task"] or settings.default_task)
+    not_before = fields["not_before"]
     return AdmissionRequest(
         principal=principal, key=key, key_is_derived=derived, run_id=run_id, task=task,
         input_json=compact_json(fields["input"]), session_key=fields["session_key"],
@@ -232,6 +234,8 @@ def build(request: Request, principal: Principal, *, settings: Settings,
         callback_url=fields["callback_url"], fingerprint=digest,
         fingerprint_version=FINGERPRINT_VERSION,
         priority=DEFAULT_PRIORITY if fields["priority"] is None else fields["priority"],
+        delay_s=None if fields["delay_s"] is None else float(fields["delay_s"]),
+        not_before=None if not_before is None else delay.unix_seconds(not_before),
     ), _refusal(fields["callback_url"], task, task_names, settings.callback_allowlist)
 
 
@@ -285,7 +289,7 @@ def _schema(body: Any, default_task: str | None) -> dict[str, Any]:
     fields = {"task": task, "input": body.get("input"), "run_id": run_id,
               "session_key": _text(body, "session_key", no_control=True),
               "trigger_id": _text(body, "trigger_id"), "callback_url": _callback_url(body),
-              "metadata": _metadata(body), "priority": _priority(body)}
+              "metadata": _metadata(body), "priority": _priority(body), **delay.fields(body)}
     if run_id is not None and not _RUN_ID.fullmatch(run_id):
         raise InvalidRunId(f"run_id must look like run_<32 lowercase hex>, matching "
                            f"{RUN_ID_PATTERN} in full", field="run_id")

@@ -2,7 +2,8 @@
 
 Built from one function per group of routes here and one per component in
 ``web/openapi_components.py`` (the schemas, whose request body limits are admission's
-own, so the document cannot drift from what admission checks); tests/api/test_openapi_fuzz.py
+own: ``web/admission.py``, ``web/delay.py``, and ``netguard`` for the callback URL, so
+the document cannot drift from what admission checks); tests/api/test_openapi_fuzz.py
 fuzzes the served document and tests/api/test_auth_and_service.py checks it covers every
 route.
 """
@@ -14,7 +15,9 @@ from functools import lru_cache
 from .. import __version__
 from ..ledger.approvals import DECISIONS
 from . import admission
-from .openapi_components import _STATUSES, _TEXT, JSONObject, schemas
+from .openapi_components import STATUSES as _STATUSES
+from .openapi_components import TEXT as _TEXT
+from .openapi_components import JSONObject, schemas
 from .openapi_components import error as _error
 from .openapi_components import json_body as _json
 

@@ -1,28 +1,29 @@
-"""The components of the OpenAPI document (``web/openapi.py``): its schemas, and the
-pieces its routes share.  Split from openapi.py along that seam (docs/api.md).  The
-request body's limits are admission's own (``web/admission.py``, and ``netguard`` for the
-callback URL), so the document cannot drift from what admission checks.
-"""
+"""The components of the OpenAPI document (``web/openapi.py``): the schemas of errors,
+runs, events and deliveries, and the response pieces its routes share.  Split from
+openapi.py along that seam (docs/api.md).  The request body's limits are admission's own
+(``web/admission.py``, ``web/delay.py``, ``ledger/broker_queue.py`` for priorities, and
+``netguard`` for the callback URL), so the document cannot drift from what admission
+checks."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..ledger.broker_queue import MAX_PRIORITY, MIN_PRIORITY
+from ..ledger.broker_queue import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from ..ledger.states import RunStatus
 from ..netguard import MAX_URL_LENGTH
-from . import admission
+from . import admission, delay
 
 #: A JSON object of the document (a schema, a path item, an operation, a response...).
 JSONObject = dict[str, Any]
 
-_TEXT = {"type": "string"}
-_NULL_TEXT = {"type": ["string", "null"]}
-_TIME = {"type": ["string", "null"], "format": "date-time"}
+TEXT = {"type": "string"}
+NULL_TEXT = {"type": ["string", "null"]}
+TIME = {"type": ["string", "null"], "format": "date-time"}
 #: No C0 or C1 control characters (and no DEL), as admission checks session keys.
-_NO_CONTROL_CHARS = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
-_RUN_ID = {"type": "string", "pattern": f"^{admission.RUN_ID_PATTERN}$"}
-_STATUSES = [s.value for s in RunStatus]
+NO_CONTROL_CHARS = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
+RUN_ID = {"type": "string", "pattern": f"^{admission.RUN_ID_PATTERN}$"}
+STATUSES = [s.value for s in RunStatus]
 
 
 def error(description: str) -> JSONObject:
@@ -41,20 +42,18 @@ def list_of(ref: str) -> JSONObject:
             "properties": {"object": {"const": "list"},
                            "data": {"type": "array",
                                     "items": {"$ref": f"#/components/schemas/{ref}"}},
-                           "has_more": {"type": "boolean"}, "next_cursor": _NULL_TEXT}}
+                           "has_more": {"type": "boolean"}, "next_cursor": NULL_TEXT}}
 
 
-# -- components ---------------------------------------------------------------------
-
-def _error_schema() -> JSONObject:
+def error_schema() -> JSONObject:
     return {"type": "object", "required": ["error"],
             "properties": {"error": {
                 "type": "object", "required": ["code", "message"],
-                "properties": {"code": _TEXT, "message": _TEXT, "field": _TEXT},
+                "properties": {"code": TEXT, "message": TEXT, "field": TEXT},
             }}}
 
 
-def _run_create_schema() -> JSONObject:
+def run_create_schema() -> JSONObject:
     """The body of POST /v1/runs, with admission's limits (web/admission.py)."""
     properties = {
         "task": {"type": "string", "minLength": 1, "maxLength": admission.MAX_TASK_NAME,
@@ -62,9 +61,9 @@ def _run_create_schema() -> JSONObject:
                                 "is set"},
         "input": {"description": "any I-JSON value (RFC 7493): numbers an IEEE double "
                                  "holds exactly, so integers within ±(2^53-1)"},
-        "run_id": dict(_RUN_ID),
+        "run_id": dict(RUN_ID),
         "session_key": {"type": "string", "minLength": 1, "maxLength": admission.MAX_TEXT,
-                        "pattern": _NO_CONTROL_CHARS},
+                        "pattern": NO_CONTROL_CHARS},
         "trigger_id": {"type": "string", "minLength": 1, "maxLength": admission.MAX_TEXT},
         "callback_url": {"type": "string", "format": "uri", "maxLength": MAX_URL_LENGTH},
         "metadata": {"type": "object", "maxProperties": admission.MAX_METADATA_KEYS,
@@ -72,50 +71,59 @@ def _run_create_schema() -> JSONObject:
                      "additionalProperties": {"type": "string",
                                               "maxLength": admission.MAX_METADATA_VALUE}},
         "priority": {"type": "integer", "minimum": MIN_PRIORITY, "maximum": MAX_PRIORITY,
-                     "default": 5, "description": "higher starts first among a queue's "
-                                                  "claimable runs; absent: 5"},
+                     "default": DEFAULT_PRIORITY,
+                     "description": "higher starts first among a queue's claimable runs; "
+                                    f"absent: {DEFAULT_PRIORITY}"},
+        "delay_s": {"type": "number", "minimum": 0, "maximum": delay.MAX_DELAY_S,
+                    "description": "start no sooner than this many seconds after admission"},
+        "not_before": {"type": "string", "format": "date-time",
+                       "pattern": f"^{delay.RFC3339_PATTERN}$",
+                       "description": "start no sooner than this time (RFC 3339, at most 30 "
+                                      "days ahead; a past time means now)"},
     }
     if set(properties) != admission.FIELDS:
         # admission refuses any field outside FIELDS: the document must name the same.
         raise ValueError(f"RunCreate names {sorted(properties)}, admission takes "
                          f"{sorted(admission.FIELDS)}")
-    return {"type": "object", "additionalProperties": False, "properties": properties}
+    # delay_s and not_before are exclusive: a body names one or neither.
+    return {"type": "object", "additionalProperties": False, "properties": properties,
+            "not": {"required": ["delay_s", "not_before"]}}
 
 
-def _run_schema() -> JSONObject:
+def run_schema() -> JSONObject:
     return {
         "type": "object",
         "required": ["object", "id", "status", "task", "input", "created_at", "attempt"],
         "properties": {
-            "object": {"const": "run"}, "id": dict(_RUN_ID), "status": {"enum": _STATUSES},
-            "task": _TEXT, "input": {},
-            "session_key": _NULL_TEXT, "trigger_id": _NULL_TEXT,
+            "object": {"const": "run"}, "id": dict(RUN_ID), "status": {"enum": STATUSES},
+            "task": TEXT, "input": {},
+            "session_key": NULL_TEXT, "trigger_id": NULL_TEXT,
             "metadata": {"type": ["object", "null"],
                          "additionalProperties": {"type": "string"}},
-            "callback_url": _NULL_TEXT,
-            "created_at": _TIME, "updated_at": _TIME, "started_at": _TIME,
-            "finished_at": _TIME,
+            "callback_url": NULL_TEXT,
+            "created_at": TIME, "updated_at": TIME, "started_at": TIME,
+            "finished_at": TIME,
             "attempt": {"type": "integer", "minimum": 1},
-            "retry_of": {**_RUN_ID, "type": ["string", "null"]},
+            "retry_of": {**RUN_ID, "type": ["string", "null"]}, "not_before": TIME,
             "priority": {"type": "integer", "minimum": MIN_PRIORITY, "maximum": MAX_PRIORITY},
             "result": {},
             "error": {"type": ["object", "null"],
-                      "properties": {"code": _TEXT, "message": _TEXT}},
+                      "properties": {"code": TEXT, "message": TEXT}},
             "approval": {"type": ["object", "null"]},
             "recovery": {"type": ["object", "null"],
                          "properties": {"attempts": {"type": "integer"},
-                                        "reason": _NULL_TEXT}},
+                                        "reason": NULL_TEXT}},
             "replayed": {"type": "boolean"},
         },
     }
 
 
-def _event_schemas() -> JSONObject:
+def event_schemas() -> JSONObject:
     return {
         "Event": {
             "type": "object", "required": ["seq", "type", "data", "created_at"],
-            "properties": {"seq": {"type": "integer", "minimum": 1}, "type": _TEXT, "data": {},
-                           "created_at": _TIME},
+            "properties": {"seq": {"type": "integer", "minimum": 1}, "type": TEXT, "data": {},
+                           "created_at": TIME},
         },
         "EventList": {
             "type": "object", "required": ["data", "next_after"],
@@ -126,24 +134,24 @@ def _event_schemas() -> JSONObject:
     }
 
 
-def _delivery_schema() -> JSONObject:
+def delivery_schema() -> JSONObject:
     return {
         "type": "object",
         "required": ["object", "id", "run_id", "kind", "type", "url", "state", "attempts"],
         "properties": {
-            "object": {"const": "delivery"}, "id": _TEXT, "run_id": dict(_RUN_ID),
-            "kind": {"enum": ["callback", "deliver"]}, "type": _TEXT, "url": _TEXT,
+            "object": {"const": "delivery"}, "id": TEXT, "run_id": dict(RUN_ID),
+            "kind": {"enum": ["callback", "deliver"]}, "type": TEXT, "url": TEXT,
             "state": {"enum": ["pending", "attempting", "delivered", "parked", "discarded"]},
             "attempts": {"type": "integer", "minimum": 0}, "recovered": {"type": "boolean"},
-            "next_attempt_at": _TIME, "last_status": {"type": ["integer", "null"]},
-            "last_error": _NULL_TEXT, "settled_by": _NULL_TEXT, "created_at": _TIME,
-            "updated_at": _TIME, "settled_at": _TIME,
+            "next_attempt_at": TIME, "last_status": {"type": ["integer", "null"]},
+            "last_error": NULL_TEXT, "settled_by": NULL_TEXT, "created_at": TIME,
+            "updated_at": TIME, "settled_at": TIME,
         },
     }
 
 
 def schemas() -> JSONObject:
-    return {"Error": _error_schema(), "RunCreate": _run_create_schema(), "Run": _run_schema(),
-            "RunList": list_of("Run"), **_event_schemas(), "Delivery": _delivery_schema(),
+    return {"Error": error_schema(), "RunCreate": run_create_schema(), "Run": run_schema(),
+            "RunList": list_of("Run"), **event_schemas(), "Delivery": delivery_schema(),
             "DeliveryList": list_of("Delivery"),
             "Capabilities": {"type": "object"}, "Health": {"type": "object"}}

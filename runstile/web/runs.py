@@ -88,7 +88,10 @@ def _admit(web: WebState, req: AdmissionRequest, refusal: RunstileError | None) 
         # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
         # the embedded broker, whose message committed with it).  Never raises: a
         # failed publish leaves the record unsent for recovery, and the 202 stands.
+        # A delayed run's message is published delayed until the not_before the
+        # reservation stored (docs/api.md, "Delayed runs").
         dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
+                         delay_s=dispatch.publish_wait(admitted.run),
                          priority=dispatch.priority_of(admitted.run), mark=web.committer.run)
     return admitted
 

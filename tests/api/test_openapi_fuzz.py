@@ -37,9 +37,12 @@ JSON = {"Accept": "application/json"}
 
 #: 400 codes schema-valid data may still get: input must be I-JSON (RFC 8785 cannot
 #: canonicalise an integer past 2^53), and a callback host must pass the SSRF guard
-#: (it must resolve, and to a public address).  The document says both in words.
+#: (it must resolve, and to a public address), and a not_before must be a real time at
+#: most 30 days ahead (a pattern cannot say "now + 30 days", nor which days February
+#: has).  The document says each in words.
 SEMANTIC_REFUSALS = {
-    ("POST", "/v1/runs"): {"invalid_callback_url", "invalid_request:input"},
+    ("POST", "/v1/runs"): {"invalid_callback_url", "invalid_request:input",
+                           "invalid_request:not_before"},
 }
 
 schema = schemathesis.openapi.from_dict(copy.deepcopy(openapi.document()))

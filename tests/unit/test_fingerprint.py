@@ -12,6 +12,7 @@ from runstile.fingerprint import (
     RETRY_FIELDS,
     NotCanonicalisable,
     canonical,
+    fields_for,
     fingerprint,
 )
 
@@ -79,3 +80,28 @@ def test_a_retrys_fingerprint_differs_from_a_plain_admission_of_the_same_body():
     assert fingerprint(retry, RETRY_FIELDS) != fingerprint(
         {**retry, "retry_of": "run_" + "b" * 32}, RETRY_FIELDS)
     assert b'"retry_of":"run_' + b"a" * 32 + b'"' in canonical(retry, RETRY_FIELDS)
+
+
+def test_a_body_without_delay_fields_keeps_the_canonical_form_it_had_before_them():
+    """Computed on the code before delayed runs: a request without delay_s or not_before
+    must hash as it did, or no stored idempotency record would replay after an upgrade."""
+    body = {"task": "echo", "input": {"a": 1}, "run_id": None, "session_key": "s",
+            "trigger_id": None, "callback_url": None, "metadata": {"m": "x"},
+            "delay_s": None, "not_before": None}
+    assert fields_for(body) == FIELDS
+    assert fingerprint(body, fields_for(body)) == (
+        "6a412d722c45b0f41a95f60c3d42a98786032c61da370850e7e22781b96a2310")
+    assert fingerprint({"task": "echo"}, fields_for({"task": "echo"})) == (
+        "100758deba75dc23a35c66f25936ed4f5d5273bc8b621e6ead54f5cf8170d6c7")
+
+
+def test_a_delay_field_takes_part_only_when_present_and_as_sent():
+    body = {"task": "echo", "input": {"a": 1}}
+    delayed = {**body, "delay_s": 2}
+    timed = {**body, "not_before": "2030-01-01T00:00:00.000000Z"}
+    assert fields_for(delayed) == (*FIELDS, "delay_s")
+    assert fields_for(timed) == (*FIELDS, "not_before")
+    assert len({fingerprint(b, fields_for(b)) for b in (body, delayed, timed)}) == 3
+    assert b'"delay_s":2' in canonical(delayed, fields_for(delayed))
+    assert fingerprint({**body, "delay_s": 2.0}, fields_for(delayed)) == fingerprint(
+        delayed, fields_for(delayed))

@@ -35,12 +35,12 @@ def test_migration_8_gives_existing_runs_and_messages_the_default_priority(tmp_p
         if version < 8:
             for statement in migrations.split_statements(script()):
                 conn.execute(statement)
-    conn.execute("PRAGMA user_version = 6")
+    conn.execute("PRAGMA user_version = 7")
     conn.execute("INSERT INTO broker_messages (queue_name, message_id, body, enqueued_at) "
                  "VALUES ('q', 'm', x'00', 0)")
     conn.commit()
     conn.close()
-    assert migrations.migrate(path) == 6
+    assert migrations.migrate(path) == 7
     conn = db.connect(path)
     try:
         assert conn.execute("SELECT priority FROM broker_messages").fetchall()[0][0] == 5

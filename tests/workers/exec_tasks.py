@@ -306,3 +306,10 @@ def gate(ctx, input):
     log_line(input["log"], f"start {ctx.run_id} {input.get('tag', '')}")
     wait_for(input.get("release"))
     return input.get("tag")
+
+
+@runstile.task("t.log_time")
+def log_time(ctx, input):
+    """Logs the wall-clock time its body started at (delayed runs' tests)."""
+    log_line(input["log"], f"start {ctx.run_id} {ctx.attempt} {time.time():.6f}")
+    return {"n": input.get("n")}

@@ -67,6 +67,8 @@ class SQLiteConsumer(Consumer):
         self._cache: collections.deque = collections.deque()
         #: Delivery ids claimed and not yet acked, nacked or requeued (the prefetch window).
         self._held: set[int] = set()
+        #: The etas (Unix seconds) of the held delayed rows, by delivery id.
+        self._etas: dict[int, float] = {}
         self._held_lock = threading.Lock()
         self._closed = False
         self._watcher = broker.watcher()
@@ -97,6 +99,12 @@ class SQLiteConsumer(Consumer):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            due = self._next_eta()
+            if due is not None and due < remaining:
+                # Dramatiq's worker moves a held delayed message when __next__ returns:
+                # returning None at its eta starts it then, not up to a timeout later.
+                deadline = time.monotonic() + due
+                remaining = due
             # Woken by any commit to the ledger (polled), a local ack or close.
             self._watcher.wait(seen, remaining)
 
@@ -113,6 +121,7 @@ class SQLiteConsumer(Consumer):
         rows = broker_queue.claim(conn, self.queue_name, self.consumer_id, room)
         with self._held_lock:
             self._held.update(row["id"] for row in rows)
+            self._etas.update((row["id"], row["eta"]) for row in rows if row["eta"] is not None)
         self._cache.extend((row["id"], bytes(row["body"])) for row in rows)
 
     def _deliver(self, delivery_id: int, body: bytes) -> MessageProxy | None:
@@ -161,6 +170,7 @@ class SQLiteConsumer(Consumer):
         self._cache.clear()
         with self._held_lock:
             self._held.clear()
+            self._etas.clear()
         # Under beat_lock, so that a heartbeat already under way cannot re-register us.
         with self._watcher.beat_lock:
             self._watcher.remove(self)
@@ -204,7 +214,18 @@ class SQLiteConsumer(Consumer):
             raise ConnectionClosed(exc) from exc
         self._forget(delivery_ids)
 
+    def _next_eta(self) -> float | None:
+        """Seconds until the soonest eta still ahead among the held delayed rows (a few
+        milliseconds past it), or None."""
+        now = time.time()
+        with self._held_lock:
+            ahead = [eta for eta in self._etas.values() if eta > now]
+        return None if not ahead else min(ahead) - now + 0.002
+
     def _forget(self, delivery_ids: Iterable[int]) -> None:
+        delivery_ids = list(delivery_ids)
         with self._held_lock:
             self._held.difference_update(delivery_ids)
+            for delivery_id in delivery_ids:
+                self._etas.pop(delivery_id, None)
         self._watcher.poke()  # a prefetch slot opened; __next__ may fetch again

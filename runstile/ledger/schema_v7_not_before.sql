@@ -1,0 +1,12 @@
+-- Migration 7: delayed runs, "not_before" or "delay_s" on POST /v1/runs (docs/api.md,
+-- "POST /v1/runs — admit a run").  Written by admission alone (ledger/admission.py and
+-- ledger/admission_rows.py insert it with the new run's row); never updated.
+--
+-- not_before: the Unix time (seconds, the ledger clock db.NOW) before which no claim may
+-- start the run; NULL for a run that may start at once (every run admitted before this
+-- migration, and every run admitted without either field).  A delay_s is turned into it
+-- once, at the reservation (NOW + delay_s), so an identical retry replays the same time.
+-- The claim (ledger/execution.py) refuses a run whose not_before is still ahead and hands
+-- it a message due then; recovery skips such a run (docs/operations.md, "Recovery").
+-- Nothing looks runs up by it, so it has no index.  Adding a column rewrites nothing.
+ALTER TABLE runs ADD COLUMN not_before REAL;
