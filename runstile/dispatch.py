@@ -247,19 +247,17 @@ def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
 
 def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
                     limit: int = PENDING_BATCH, older_than_s: float = 0.0,
-                    created_since: float | None = None, run_ids: Sequence[str] | None = None,
-                    session: tuple[str, str, str] | None = None,
-                    profile: str | None = None, delay_s: float = 0.0) -> int:
+                    created_since: float | None = None,
+                    run_ids: Sequence[str] | None = None) -> int:
     """Publish up to ``limit`` unsent dispatch records of queued runs (filters as in
     ``ledger.dispatches.unsent``), oldest first; returns how many the broker took.
-    Called right after transactions that re-queue without an in-transaction enqueue, and
-    by recovery.  Stops at the first failed publish.  Never raises."""
+    Recovery's sweep (the records no commit's settlement published: a process died, or
+    the broker was down).  Stops at the first failed publish.  Never raises."""
     if publisher_for(settings) is None:
         return 0
     try:
         pending = dispatches.unsent(conn, limit=limit, older_than_s=older_than_s,
-                                    created_since=created_since, run_ids=run_ids,
-                                    session=session, profile=profile)
+                                    created_since=created_since, run_ids=run_ids)
     except RunstileError as exc:
         log.warning("could not read unsent dispatch records (%s); recovery retries",
                     exc.message)
@@ -267,7 +265,7 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
     published = 0
     for dispatch_id, run_id, not_before, priority in pending:
         wait = publish_wait({"not_before": not_before})
-        if not publish(settings, conn, run_id, dispatch_id, delay_s=max(delay_s, wait),
+        if not publish(settings, conn, run_id, dispatch_id, delay_s=wait,
                        priority=priority):
             break
         published += 1

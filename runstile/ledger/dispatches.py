@@ -24,17 +24,15 @@ from .sessions import CLAIMABLE
 
 
 def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
-           created_since: float | None = None, run_ids: Sequence[str] | None = None,
-           session: tuple[str, str, str] | None = None,
-           profile: str | None = None) -> list[tuple[int, str, float | None, int]]:
+           created_since: float | None = None,
+           run_ids: Sequence[str] | None = None) -> list[tuple[int, str, float | None, int]]:
     """``(dispatch id, run id, the run's not_before, the run's priority)`` of unsent
     records whose run is still queued, oldest first (a delayed run's record is published
     delayed).
 
     ``older_than_s`` leaves alone records a publisher is probably handling right now;
     ``created_since`` (a ledger time) brings back younger ones anyway (those a recovery
-    pass wrote itself).  ``run_ids`` / ``session`` (profile, key id, session key) /
-    ``profile`` narrow the search to what one transition just made claimable.
+    pass wrote itself).  ``run_ids`` narrows the search to runs a pass just re-dispatched.
     """
     clauses = ["d.sent_at IS NULL", "r.status = 'queued'"]
     args: list[object] = []
@@ -49,12 +47,6 @@ def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
             return []
         clauses.append(f"d.run_id IN ({', '.join('?' for _ in run_ids)})")
         args += list(run_ids)
-    if session is not None:
-        clauses.append("r.profile_id = ? AND r.key_id = ? AND r.session_key = ?")
-        args += list(session)
-    if profile is not None:
-        clauses.append("r.profile_id = ?")
-        args.append(profile)
     with db.ledger_errors():
         rows = conn.execute(
             "SELECT d.id, d.run_id, r.not_before, r.priority FROM dispatches d JOIN runs r "
