@@ -1,6 +1,7 @@
 """runstile: durable run admission and at-most-once execution on a SQLite ledger.
 
-The public API is small: ``task`` registers a task, ``Settings`` configures runstile,
+The public API is small: ``task`` registers a task, ``schedule`` declares a
+schedule of one, ``Settings`` configures runstile,
 ``Client`` talks to a runstile server over HTTP, ``RunContext`` is what a task body gets,
 and every error derives from ``RunstileError``.
 
@@ -13,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 from .client import Client
 from .config import Settings
 from .errors import RunstileError
-from .tasks import task
+from .tasks import schedule, task
 
 if TYPE_CHECKING:
     from .workers.context import RunContext, Stopped
 
-__all__ = ["Client", "RunContext", "RunstileError", "Settings", "Stopped", "task"]
+__all__ = ["Client", "RunContext", "RunstileError", "Settings", "Stopped", "schedule", "task"]
 __version__ = "0.1.0"
 
 #: Public names that live on the worker side, loaded when first asked for.

@@ -1,4 +1,6 @@
-"""The task registry: ``@runstile.task(...)`` records a function; nothing binds to a broker.
+"""The task and schedule registry: ``@runstile.task(...)`` records a function and
+``runstile.schedule(...)`` a schedule of one (docs/tasks.md, "Schedules"); nothing binds
+to a broker, nothing touches the ledger.
 
 Decorating never touches Dramatiq, so the web tier can import task modules to learn
 their names (for ``unknown_task`` and capabilities) without creating actors.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .ticks import Ticks, check
 
 if TYPE_CHECKING:
     import dramatiq  # at run time imported where used: the client loads this module
@@ -120,6 +124,7 @@ def load(modules: tuple[str, ...]) -> dict[str, TaskSpec]:
                 importlib.import_module(module)
             except ImportError as exc:
                 raise ConfigError(f"cannot import task module {module!r}: {exc}") from exc
+    _check_schedule_tasks()
     return registered()
 
 
@@ -184,3 +189,72 @@ def concurrency_of(name: str) -> int | None:
 def concurrencies() -> dict[str, int | None]:
     """Every registered task's ``concurrency``, by name (what recovery hands slots out by)."""
     return {name: spec.concurrency for name, spec in registered().items()}
+
+
+# ------------------------------------------------------------------ schedules
+
+CATCHUP = ("latest", "all", "none")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One ``runstile.schedule(...)`` declaration (docs/tasks.md, "Schedules")."""
+
+    name: str
+    task: str
+    ticks: Ticks
+    input: Any = None
+    profile: str = "default"
+    #: What happens to ticks missed while no scheduler ran: latest, all or none.
+    catchup: str = "latest"
+
+
+_schedules: dict[str, ScheduleSpec] = {}
+_PROFILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def schedule(name: str, *, task: str, cron: str | None = None, every_s: int | None = None,
+             input: Any = None, profile: str = "default", timezone: str = "UTC",
+             catchup: str = "latest") -> ScheduleSpec:
+    """Declare the schedule ``name``: a run of ``task`` with ``input`` at every tick of
+    ``cron`` (in ``timezone``) or every ``every_s`` seconds, admitted once per tick under
+    ``profile`` by whichever node's scheduler gets there first (docs/tasks.md,
+    "Schedules").  A bad declaration raises ConfigError naming the schedule, so the
+    process that imports the task module refuses to start."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(f"schedule name {name!r} must match {_NAME.pattern}")
+    if not isinstance(task, str) or not _NAME.fullmatch(task):
+        raise ConfigError(f"schedule {name!r}: task must be a task name (got {task!r})")
+    if catchup not in CATCHUP:
+        raise ConfigError(f"schedule {name!r}: catchup must be one of {', '.join(CATCHUP)} "
+                          f"(got {catchup!r})")
+    if not isinstance(profile, str) or not _PROFILE.fullmatch(profile):
+        raise ConfigError(f"schedule {name!r}: profile {profile!r} is not a profile name")
+    try:
+        json.dumps(input, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"schedule {name!r}: input must be JSON ({exc})") from None
+    spec = ScheduleSpec(name, task, check(name, cron, every_s, timezone), input, profile,
+                        catchup)
+    with _lock:
+        previous = _schedules.get(name)
+        if previous is not None and previous != spec:
+            raise ConfigError(f"schedule {name!r} is declared twice, differently")
+        _schedules[name] = spec
+    return spec
+
+
+def _check_schedule_tasks() -> None:
+    """Every schedule names a task these modules register (checked once all are loaded:
+    a module may declare a schedule before the task it runs)."""
+    with _lock:
+        missing = [s for s in _schedules.values() if s.task not in _tasks]
+    if missing:
+        raise ConfigError(f"schedule {missing[0].name!r}: no task named {missing[0].task!r} "
+                          f"is registered")
+
+
+def schedules() -> dict[str, ScheduleSpec]:
+    """Every declared schedule, by name."""
+    with _lock:
+        return dict(sorted(_schedules.items()))

@@ -26,6 +26,7 @@ from .ledger import db, keys, maintenance, migrations, nodes
 from .nodelock import NodeLock
 from .recovery import reconcile
 from .signals import StopSignals
+from .workers.scheduler import Scheduler
 
 #: Seconds children get after the drain timeout before they are killed
 #: (docs/operations.md, "Signals").
@@ -138,6 +139,8 @@ class Supervisor:
             self.signals = StopSignals()
             filemodes.warn_loose(self.settings.data_dir)
             registry.load(self.settings.tasks)  # recovery needs each task's on_crash
+            # Built now, so a schedule that cannot be admitted stops the start (exit 2).
+            scheduler = Scheduler(self.settings, registry.schedules())
             # The web starts first and answers /readyz 503 until the barrier opens; no
             # worker process exists before this boot's recovery has finished.
             self._start(self.plan_web())
@@ -151,18 +154,28 @@ class Supervisor:
                 return 1
             if self.signals.received:
                 return self._watch()  # stopped during boot: no worker starts
-            self._start(self.plan_workers(generation))
-            threading.Thread(target=self._scheduled_recovery, args=(generation,),
-                             name="runstile-recovery", daemon=True).start()
-            if self.web:
-                self.bootstrap(generation)
-            else:
-                click.echo(f"runstile workers up: node {self.settings.node_id}, generation "
-                           f"{generation}, {self.settings.workers} processes x "
-                           f"{self.settings.threads} threads")
-            return self._watch()
+            return self._serve(generation, scheduler)
         finally:
             lock.release()
+
+    def _serve(self, generation: int, scheduler: Scheduler) -> int:
+        """After the boot's recovery: the workers, scheduled recovery and the scheduler,
+        watched until the node stops."""
+        self._start(self.plan_workers(generation))
+        threading.Thread(target=self._scheduled_recovery, args=(generation,),
+                         name="runstile-recovery", daemon=True).start()
+        # After the barrier, like every consumer (docs/architecture.md, "The scheduler").
+        scheduler.start()
+        if self.web:
+            self.bootstrap(generation)
+        else:
+            click.echo(f"runstile workers up: node {self.settings.node_id}, generation "
+                       f"{generation}, {self.settings.workers} processes x "
+                       f"{self.settings.threads} threads")
+        try:
+            return self._watch()
+        finally:
+            scheduler.stop()
 
     def _scheduled_recovery(self, generation: int) -> None:
         """A recovery pass every RUNSTILE_RECOVERY_INTERVAL_S while up."""

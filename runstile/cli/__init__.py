@@ -3,11 +3,11 @@
 ``main(argv=None)`` is the console script ``runstile`` and ``python -m runstile``, and is
 testable in-process; ``cli`` is the root click group.  The commands live by group:
 ``serve`` (up, serve, worker, recover), ``keys`` (keys …, webhooks secret), ``db``,
-``deliveries`` and ``runs`` (the HTTP client); ``options`` holds what they share.
+``deliveries``, ``schedules`` and ``runs`` (the HTTP client); ``options`` holds what they share.
 
 Every subcommand takes ``--data-dir`` and ``--tasks`` after its name.  ``--json`` prints
 one JSON object on the last line of stdout; it is taken by every ``keys``, ``db``,
-``deliveries`` and ``runs`` command and by ``recover``, and by no other (not ``up``,
+``deliveries``, ``schedules`` and ``runs`` command and by ``recover``, and by no other (not ``up``,
 ``serve``, ``worker`` or ``webhooks secret``).  Exit codes: 0 ok, 1 failure, 2 usage.
 """
 
@@ -17,7 +17,7 @@ import click
 
 from .. import filemodes
 from ..errors import ConfigError, RunstileError
-from . import db, deliveries, keys, runs, serve
+from . import db, deliveries, keys, runs, schedules, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,7 +27,8 @@ def cli() -> None:
 
 
 for _command in (keys.keys, keys.webhooks, deliveries.deliveries, db.db, serve.serve,
-                 serve.up, serve.worker, serve.worker_process, serve.recover, runs.runs):
+                 serve.up, serve.worker, serve.worker_process, serve.recover, runs.runs,
+                 schedules.schedules):
     cli.add_command(_command)
 
 

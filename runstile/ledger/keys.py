@@ -37,6 +37,17 @@ class Principal:
         return self.role == "admin"
 
 
+#: The idempotency keys of scheduled runs begin so (docs/tasks.md, "Schedules").
+SCHEDULE_KEY_PREFIX = "schedule:"
+
+
+def schedule_key_id(profile_id: str) -> str:
+    """The id of ``profile_id``'s schedule key: the scope its scheduled runs and their
+    idempotency keys live in (ledger/schedules.py).  Derived from the profile's name, so
+    every node agrees on it without asking."""
+    return "key_" + hashlib.sha256(f"schedules:{profile_id}".encode()).hexdigest()[:16]
+
+
 def valid_profile(name: str) -> bool:
     return bool(_PROFILE.fullmatch(name))
 

@@ -22,7 +22,7 @@ from ..errors import ListQueryTimeout
 from . import db
 from .broker_queue import NewMessage
 from .db import NOW
-from .keys import Principal
+from .keys import SCHEDULE_KEY_PREFIX, Principal, schedule_key_id
 from .states import RunStatus
 
 
@@ -163,10 +163,10 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
             clauses.append(f"{column} = ?")
             params.append(value)
     if flt.idempotency_key is not None:
-        # Keys live in the caller's own scope, so the lookup gives 0 or 1 run.
         clauses.append("id IN (SELECT run_id FROM idempotency_keys WHERE profile_id = ? "
                        "AND key_id = ? AND idempotency_key = ?)")
-        params += [principal.profile_id, principal.key_id, flt.idempotency_key]
+        params += [principal.profile_id, _key_scope(principal, flt.idempotency_key),
+                   flt.idempotency_key]
     if flt.created_after is not None:
         clauses.append("created_at > ?")
         params.append(flt.created_after)
@@ -184,6 +184,15 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
     with db.time_limit(conn, timeout_s, _list_timeout(timeout_s)), db.ledger_errors():
         rows = conn.execute(sql, (*params, limit + 1)).fetchall()
     return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+
+def _key_scope(principal: Principal, key: str) -> str:
+    """The key id whose scope an idempotency-key lookup reads.  Keys live in one scope, so
+    the lookup gives 0 or 1 run: the caller's own, or for an admin's lookup of a
+    scheduled run's key, its profile's schedule key's (docs/api.md, "GET /v1/runs")."""
+    if principal.is_admin and key.startswith(SCHEDULE_KEY_PREFIX):
+        return schedule_key_id(principal.profile_id)
+    return principal.key_id
 
 
 def _list_timeout(timeout_s: float) -> Callable[[], ListQueryTimeout]:

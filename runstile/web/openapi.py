@@ -77,7 +77,9 @@ def _list_parameters() -> list[JSONObject]:
          "description": "repeatable"},
         _query("task", _TEXT, "exact task name"),
         _query("session_key", _TEXT, "exact session key"),
-        _query("idempotency_key", _TEXT, "exact lookup in the caller's scope (0 or 1 run)"),
+        _query("idempotency_key", _TEXT, "exact lookup in the caller's scope (0 or 1 run); an "
+               "admin key's lookup of a schedule:<name>:<tick> key finds the profile's "
+               "scheduled run"),
         _query("created_after", {"type": "string", "format": "date-time"}, "RFC 3339"),
         _query("created_before", {"type": "string", "format": "date-time"}, "RFC 3339"),
         _query("limit", {"type": "integer", "minimum": 1, "maximum": 200, "default": 20}, ""),
@@ -230,6 +232,12 @@ def _service_paths() -> JSONObject:
             "operationId": "recoveryReports",
             "summary": "The latest recovery reports (admin keys; 404 otherwise)",
             "responses": {"200": _any_object("reports"),
+                          "404": _error("not_found for a client key"), **_AUTH_ERRORS}}},
+        "/v1/schedules": {"get": {
+            "operationId": "listSchedules",
+            "summary": "The profile's schedules, each with its last and next tick (admin "
+                       "keys; 404 otherwise)",
+            "responses": {"200": _any_object("schedules"),
                           "404": _error("not_found for a client key"), **_AUTH_ERRORS}}},
         "/v1/capabilities": {"get": {
             "operationId": "capabilities", "summary": "The contract, machine-readable",

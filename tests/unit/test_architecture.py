@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "runstile"
 #: Imports point one way: foundations -> ledger -> dispatch -> web | workers | recovery
 #: -> up -> cli.  ``client`` stands apart: it imports nothing of the server side.
 FOUNDATIONS = {"errors", "config", "crashpoints", "filemodes", "fingerprint", "jsondepth",
-               "netguard", "nodelock", "objects", "signals", "tasks", "webhooks",
+               "netguard", "nodelock", "objects", "signals", "tasks", "ticks", "webhooks",
                "__version__"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "netguard": {"errors"},
     "nodelock": {"errors", "filemodes"},
     "objects": {"errors", "jsondepth"},
-    "tasks": {"errors"},
+    "tasks": {"errors", "ticks"},
+    "ticks": {"errors"},  # a schedule's tick arithmetic (croniter), for tasks
     "webhooks": {"errors", "netguard"},
     "client": {"errors"},
     "ledger": {"errors", "filemodes", "jsondepth"},
