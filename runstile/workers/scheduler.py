@@ -90,20 +90,28 @@ class Scheduler:
         self.stopped.set()
 
     def _run(self) -> None:
-        self._conn = self.dispatcher.pool().get()
-        ledger.ensure(self._conn, [(s.name, s.profile) for s in self.specs.values()])
-        self.watching_from = time.time()
-        log.info("scheduler up: %d schedules (%s), watching from %.3f; ticks missed "
-                 "before then follow each schedule's catchup", len(self.specs),
-                 ", ".join(self.specs), self.watching_from)
         while not self.stopped.is_set():
             try:
-                wait = self.run_pass()
+                wait = self.run_pass() if self._conn is not None else self._open()
             except RunstileError as exc:  # the ledger was busy or unavailable: again soon
                 log.warning("scheduler: pass failed (%s); trying again in %.0fs",
                             exc.message, RETRY_S)
                 wait = RETRY_S
+            except Exception:  # noqa: BLE001 - reported; the scheduler must not die of it
+                log.exception("scheduler: pass failed; trying again in %.0fs", RETRY_S)
+                wait = RETRY_S
             self.stopped.wait(wait)
+
+    def _open(self) -> float:
+        """Connect and give every schedule its row; then the watch begins."""
+        conn = self.dispatcher.pool().get()
+        ledger.ensure(conn, [(s.name, s.profile) for s in self.specs.values()])
+        self._conn = conn
+        self.watching_from = time.time()
+        log.info("scheduler up: %d schedules (%s), watching from %.3f; ticks missed "
+                 "before then follow each schedule's catchup", len(self.specs),
+                 ", ".join(self.specs), self.watching_from)
+        return 0.0
 
     def run_pass(self) -> float:
         """Admit every schedule's due ticks; the seconds until the next one falls due."""

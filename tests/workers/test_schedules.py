@@ -79,22 +79,42 @@ def test_two_nodes_racing_admit_exactly_one_run_per_tick_for_30_consecutive_tick
     assert contiguous(ticks)
 
 
-def test_after_10_s_of_downtime_each_catchup_policy_admits_what_it_says(ledger):
-    schedules = [every_second("c-all", "all"), every_second("c-latest", "latest"),
-                 every_second("c-none", "none")]
+def runstile_cli(ledger, *args: str, schedules: list[dict]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*RUNSTILE, "schedules", *args, "--data-dir", str(ledger.data_dir), "--tasks", TASKS],
+        env={**os.environ, **env_for(*schedules)}, capture_output=True, text=True, cwd=ROOT,
+        timeout=60)
+
+
+def test_after_10_s_of_downtime_each_catchup_policy_admits_what_it_says_and_a_pause_holds(
+        ledger):
+    policies = [every_second("c-all", "all"), every_second("c-latest", "latest"),
+                every_second("c-none", "none")]
+    schedules = [*policies, every_second("paused", "all")]
     node = Workers(ledger.data_dir, env_for(*schedules), workers=1, threads=2).start()
     first = watching_from(node)
     wait_until(lambda: all(len(ticks_of(ledger, s["name"])) >= 2 for s in schedules), 15, 0.1,
                "two ticks of each schedule")
+    paused = runstile_cli(ledger, "pause", "paused", "--json", schedules=schedules)
+    assert paused.returncode == 0, paused.stderr
+    shown = json.loads(paused.stdout.splitlines()[-1])
+    assert shown["paused"] is True and shown["next_tick"] is None
+    paused_at, paused_count = time.time(), len(ticks_of(ledger, "paused"))
     node.kill()
     before = {s["name"]: ledger.query("SELECT settled_through FROM schedules WHERE name = ?",
-                                      (s["name"],))[0][0] for s in schedules}
+                                      (s["name"],))[0][0] for s in policies}
     time.sleep(10)  # the downtime under test: no scheduler runs
     node = Workers(ledger.data_dir, env_for(*schedules), workers=1, threads=2).start()
     try:
         restart = watching_from(node)
         wait_until(lambda: all(len([t for t in ticks_of(ledger, s["name"]) if t > restart]) >= 3
-                               for s in schedules), 15, 0.1, "three ticks after the restart")
+                               for s in policies), 15, 0.1, "three ticks after the restart")
+        assert len(ticks_of(ledger, "paused")) == paused_count, "the pause held"
+        resumed = runstile_cli(ledger, "resume", "paused", schedules=schedules)
+        assert resumed.returncode == 0, resumed.stderr
+        resumed_at = time.time()
+        wait_until(lambda: len(ticks_of(ledger, "paused")) >= paused_count + 2, 15, 0.1,
+                   "ticks after the resume")
     finally:
         node.kill()
     assert restart - first > 10
@@ -106,52 +126,26 @@ def test_after_10_s_of_downtime_each_catchup_policy_admits_what_it_says(ledger):
     assert missed["c-all"] == every_missed, "all: each missed tick, none twice"
     assert missed["c-latest"] == [float(math.floor(restart))], "latest: only the last one"
     assert missed["c-none"] == [], "none: no missed tick"
-    for schedule in schedules:
+    for schedule in policies:
         ticks = ticks_of(ledger, schedule["name"])
         after = [t for t in ticks if t > restart]
         assert contiguous(after) and after[0] == math.floor(restart) + 1, schedule["name"]
         assert len(ticks) == len(set(ticks))
-
-
-def runstile_cli(ledger, *args: str, schedule: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*RUNSTILE, "schedules", *args, "--data-dir", str(ledger.data_dir), "--tasks", TASKS],
-        env={**os.environ, **env_for(schedule)}, capture_output=True, text=True,
-        cwd=ROOT, timeout=60)
-
-
-def test_a_pause_holds_across_a_restart_and_resume_skips_the_paused_ticks(ledger):
-    schedule = every_second("pausable", "all")
-    node = Workers(ledger.data_dir, env_for(schedule), workers=1, threads=2).start()
-    try:
-        wait_until(lambda: len(ticks_of(ledger, "pausable")) >= 2, 15, 0.1, "two ticks")
-        paused = runstile_cli(ledger, "pause", "pausable", "--json", schedule=schedule)
-        assert paused.returncode == 0, paused.stderr
-        shown = json.loads(paused.stdout.splitlines()[-1])
-        assert shown["paused"] is True and shown["next_tick"] is None
-        paused_at = time.time()
-        count = len(ticks_of(ledger, "pausable"))
-        node.kill(signal.SIGKILL)
-        node = Workers(ledger.data_dir, env_for(schedule), workers=1, threads=2).start()
-        watching_from(node)
-        time.sleep(3)  # three ticks the restarted scheduler must not admit
-        assert len(ticks_of(ledger, "pausable")) == count
-        resumed = runstile_cli(ledger, "resume", "pausable", schedule=schedule)
-        assert resumed.returncode == 0, resumed.stderr
-        resumed_at = time.time()
-        wait_until(lambda: len(ticks_of(ledger, "pausable")) >= count + 2, 15, 0.1,
-                   "ticks after the resume")
-    finally:
-        node.kill()
-    ticks = ticks_of(ledger, "pausable")
+    ticks = ticks_of(ledger, "paused")
     assert not [t for t in ticks if paused_at + 1 < t < resumed_at - 1], "no tick of the pause"
-    listed = runstile_cli(ledger, "list", "--json", schedule=schedule)
+    listed = runstile_cli(ledger, "list", "--json", schedules=schedules)
     assert listed.returncode == 0, listed.stderr
-    (obj,) = json.loads(listed.stdout.splitlines()[-1])["data"]
-    assert obj["name"] == "pausable" and obj["paused"] is False
-    assert obj["last_tick"] == spell(ticks[-1]) and obj["next_tick"] is not None
-    missing = runstile_cli(ledger, "pause", "nope", schedule=schedule)
-    assert missing.returncode == 2 and "nope" in missing.stderr
+    objects = {o["name"]: o for o in json.loads(listed.stdout.splitlines()[-1])["data"]}
+    assert set(objects) == {s["name"] for s in schedules}
+    assert objects["paused"]["paused"] is False and objects["paused"]["next_tick"] is not None
+    assert objects["paused"]["last_tick"] == spell(ticks[-1])
+
+
+def test_pausing_a_schedule_no_task_module_declares_exits_2(ledger):
+    missing = runstile_cli(ledger, "pause", "nope", schedules=[every_second("other")])
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == ("error: schedule_not_found: no schedule 'nope' is "
+                                      "declared in the task modules (--tasks)")
 
 
 BAD = [
