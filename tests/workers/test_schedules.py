@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import time
 from itertools import pairwise
