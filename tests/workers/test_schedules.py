@@ -17,6 +17,7 @@ import requests
 
 from runstile.ticks import spell
 from tests.conftest import ROOT, RUNSTILE, Workers, wait_until
+from tests.workers.test_broker_contract import broker  # noqa: F401 - the fixture
 
 TASKS = "tests.workers.schedule_tasks"
 
@@ -194,3 +195,20 @@ def test_an_admin_key_lists_schedules_and_finds_a_ticks_run_by_its_key(ledger, m
     assert obj["name"] == "lookup" and obj["every_s"] == 1 and obj["last_tick"] >= tick
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
     assert hidden["data"] == [], "a client key sees no scheduled run"
+
+
+@pytest.mark.parametrize("broker", [pytest.param("redis", marks=pytest.mark.broker)],
+                         indirect=True)
+def test_ticks_runs_are_published_after_the_commit_and_executed_on_redis(ledger, broker):  # noqa: F811
+    env = {**env_for(every_second("on-redis")), "RUNSTILE_BROKER_URL": broker.url}
+    node = Workers(ledger.data_dir, env, workers=1, threads=2).start()
+    try:
+        wait_until(lambda: ledger.query(
+            "SELECT COUNT(*) FROM runs WHERE status = 'completed' AND "
+            "json_extract(metadata, '$.schedule') = 'on-redis'")[0][0] >= 3, 20, 0.1,
+            "three scheduled runs executed through Redis")
+    finally:
+        node.kill()
+    unsent = ledger.query("SELECT COUNT(*) FROM dispatches d JOIN runs r ON r.id = d.run_id "
+                          "WHERE d.sent_at IS NULL AND r.status = 'completed'")[0][0]
+    assert unsent == 0, "each tick's dispatch was published by the scheduler's commit"
