@@ -3,7 +3,7 @@ their ticks are settled; and the admission of one tick (:func:`admit_tick`).
 
 A tick's run is admitted through admission's own reservation (ledger/admission.py),
 with the idempotency key ``schedule:<name>:<tick>`` in the scope of the profile's
-schedule key (:func:`key_id_for`).  That key's uniqueness is what admits a tick once,
+schedule key (``keys.schedule_key_id``).  That key's uniqueness is what admits a tick once,
 whichever node's scheduler gets there first (docs/architecture.md, "The scheduler");
 this table only says which ticks are still to be looked at.
 """
@@ -60,11 +60,10 @@ def states(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
         return {row["name"]: dict(row) for row in conn.execute("SELECT * FROM schedules")}
 
 
-def _open(alias: str = "") -> str:
-    """SQL condition: the schedule may admit the tick ``?`` (not paused, the tick neither
-    settled nor inside a pause)."""
-    return (f"{alias}paused_at IS NULL AND COALESCE({alias}settled_through, 0) < ? AND "
-            f"COALESCE({alias}resumed_at, 0) < ?")
+#: SQL condition: the schedule may admit the tick ``?`` (given twice): not paused, the tick
+#: neither settled nor inside a pause.
+_OPEN = ("paused_at IS NULL AND COALESCE(settled_through, 0) < ? AND "
+         "COALESCE(resumed_at, 0) < ?")
 
 
 def admit_tick(conn: sqlite3.Connection, name: str, tick: float,
@@ -80,7 +79,7 @@ def admit_tick(conn: sqlite3.Connection, name: str, tick: float,
     for _ in range(_RACE_RETRIES):
         try:
             with db.transaction(conn):
-                if conn.execute(f"SELECT 1 FROM schedules WHERE name = ? AND {_open()}",
+                if conn.execute(f"SELECT 1 FROM schedules WHERE name = ? AND {_OPEN}",
                                 (name, tick, tick)).fetchone() is None:
                     return None
                 try:

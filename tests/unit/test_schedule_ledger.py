@@ -1,0 +1,74 @@
+"""A tick's admission at the ledger (runstile/ledger/schedules.py): one transaction that
+reads the pause, reserves the run through admission's own reservation and settles the
+schedule through the tick (docs/architecture.md, "The scheduler")."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from runstile.ledger import schedules
+from runstile.ledger.admission import Reservation
+from runstile.ledger.keys import authenticate, schedule_key_id
+from runstile.tasks import ScheduleSpec
+from runstile.ticks import Ticks, spell
+from runstile.workers.scheduler import template
+
+SPEC = ScheduleSpec("nightly", "echo", Ticks(every_s=60), {"n": 1}, "default", "all")
+TICK = 1_700_000_040.0  # 2023: before any resume a test makes
+
+
+def reservation(spec: ScheduleSpec = SPEC, tick: float = TICK) -> Reservation:
+    key = schedules.idempotency_key(spec.name, spell(tick))
+    return Reservation(replace(template(spec), key=key), None, 10_000, None)
+
+
+def state(conn) -> dict:
+    return schedules.states(conn)["nightly"]
+
+
+def test_a_tick_admitted_twice_is_one_run_and_settles_the_schedule_once(conn):
+    schedules.ensure(conn, [("nightly", "default")])
+    first = schedules.admit_tick(conn, "nightly", TICK, reservation())
+    assert first is not None and not first.replayed
+    assert schedules.admit_tick(conn, "nightly", TICK, reservation()) is None, "settled"
+    row = state(conn)
+    assert (row["settled_through"], row["last_tick"], row["last_run_id"]) == (
+        TICK, TICK, first.run["id"])
+    run = first.run
+    assert (run["profile_id"], run["key_id"], run["task"]) == (
+        "default", schedule_key_id("default"), "echo")
+    assert run["metadata"] == '{"schedule":"nightly"}' and run["input"] == '{"n":1}'
+    # A scheduler that had not seen the settle yet admits through the same key: a replay.
+    conn.execute("UPDATE schedules SET settled_through = NULL WHERE name = 'nightly'")
+    again = schedules.admit_tick(conn, "nightly", TICK, reservation())
+    assert again is not None and again.replayed and again.run["id"] == run["id"]
+    assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
+
+
+def test_a_paused_schedule_admits_nothing_and_a_resume_skips_the_ticks_of_the_pause(conn):
+    schedules.ensure(conn, [("nightly", "default")])
+    assert schedules.pause(conn, "nightly") and not schedules.pause(conn, "nightly")
+    assert schedules.admit_tick(conn, "nightly", TICK, reservation()) is None
+    assert schedules.resume(conn, "nightly") and not schedules.resume(conn, "nightly")
+    # resumed_at is now, long after TICK: that tick fell inside the pause.
+    assert schedules.admit_tick(conn, "nightly", TICK, reservation()) is None
+    assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
+
+
+def test_a_tick_whose_key_holds_another_input_is_settled_without_a_second_run(conn):
+    schedules.ensure(conn, [("nightly", "default")])
+    assert schedules.admit_tick(conn, "nightly", TICK, reservation()) is not None
+    conn.execute("UPDATE schedules SET settled_through = NULL WHERE name = 'nightly'")
+    changed = replace(SPEC, input={"n": 2})
+    assert schedules.admit_tick(conn, "nightly", TICK, reservation(changed)) is None
+    assert state(conn)["settled_through"] == TICK
+    assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
+
+
+def test_the_schedule_key_is_revoked_and_has_no_secret(conn):
+    schedules.ensure(conn, [("nightly", "default")])
+    row = conn.execute("SELECT * FROM api_keys WHERE id = ?",
+                       (schedule_key_id("default"),)).fetchone()
+    assert row["revoked_at"] is not None and row["role"] == "client"
+    forged = f"rsk_{schedule_key_id('default').removeprefix('key_')}_{'A' * 43}"
+    assert authenticate(conn, forged) is None
