@@ -61,15 +61,19 @@ def states(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
 
 
 #: SQL condition: the schedule may admit the tick ``?`` (given twice): not paused, the tick
-#: neither settled nor inside a pause.
-_OPEN = ("paused_at IS NULL AND COALESCE(settled_through, 0) < ? AND "
+#: not inside a pause and not before settled_through.  The tick AT settled_through is let
+#: through on purpose: a node racing the one that settled it reserves it too and gets a
+#: replay, so what admits a tick once is its key, never this table.  A tick before
+#: settled_through was admitted, or passed over by the catch-up policy, for good.
+_OPEN = ("paused_at IS NULL AND COALESCE(settled_through, 0) <= ? AND "
          "COALESCE(resumed_at, 0) < ?")
 
 
 def admit_tick(conn: sqlite3.Connection, name: str, tick: float,
                reserve: Callable[[sqlite3.Connection], Admitted]) -> Admitted | None:
     """Admit schedule ``name``'s run at ``tick`` and settle the schedule through it, in one
-    transaction; None when the schedule is paused, or the tick settled already.
+    transaction; a replay when another node admitted it first; None when the schedule is
+    paused, or ``tick`` is older than the tick it is settled through.
 
     The pause is read inside the transaction, so a pause committed before it admits
     nothing more.  A key already bound (another node admitted this tick, perhaps with a

@@ -7,8 +7,8 @@
 -- never here.  Written by ledger/schedules.py alone:
 --   * the scheduler inserts the row the first time it sees the name (first_seen_at: no
 --     tick before it is due), and advances settled_through in the transaction that
---     admits a tick, oldest first: every tick at or before settled_through is admitted,
---     or was passed over by the schedule's catch-up policy, for good;
+--     admits a tick, oldest first: settled_through itself is admitted, and every tick
+--     before it admitted or passed over by the schedule's catch-up policy, for good;
 --   * `runstile schedules pause|resume` set paused_at, or clear it and set resumed_at
 --     (no tick at or before resumed_at is due: the ticks of a pause are skipped).
 -- last_tick / last_run_id: the latest tick this table saw admitted, and its run.
