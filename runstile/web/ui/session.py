@@ -98,7 +98,7 @@ def login_form() -> str:
     reason = request.args.get("reason")
     notice = ("You were signed out: the key is no longer valid." if reason == "revoked"
               else None)
-    return render_template("login.html", notice=notice, error=None)
+    return render_template("login.html", title="Sign in", notice=notice, error=None)
 
 
 @blueprint.post("/ui/login")
@@ -106,7 +106,7 @@ def login() -> Response | tuple[str, int]:
     secret = request.form.get("api_key", "").strip()
     principal = keys.authenticate(conn(), secret) if secret else None
     if principal is None:
-        return render_template("login.html", notice=None,
+        return render_template("login.html", title="Sign in", notice=None,
                                error="That key is not valid: unknown, revoked or mistyped."), 401
     # A fresh session (and a fresh token) at every sign-in: nothing from before it,
     # such as a token planted by someone else, carries over.

@@ -41,9 +41,17 @@ def utc_text(ts: float | None) -> str:
     return "" if text is None else text[:19].replace("T", " ") + " UTC"
 
 
+#: JSON whose one-line form is at most this long is shown on one line.
+ONE_LINE = 72
+
+
 @blueprint.app_template_filter("pretty_json")
 def pretty_json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+    """Short JSON on one line, longer JSON indented."""
+    flat = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    if len(flat) <= ONE_LINE:
+        return flat
+    return json.dumps(value, indent=2, ensure_ascii=False)
 
 
 @blueprint.app_template_filter("stored_json")

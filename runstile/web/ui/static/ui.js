@@ -7,7 +7,8 @@
   function localTimes(root) {
     var fmt = new Intl.DateTimeFormat(undefined, {
       year: "numeric", month: "short", day: "2-digit",
-      hour: "2-digit", minute: "2-digit", second: "2-digit", timeZoneName: "short"
+      hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false,
+      timeZoneName: "short"
     });
     root.querySelectorAll("time[datetime]").forEach(function (el) {
       var when = new Date(el.getAttribute("datetime"));
