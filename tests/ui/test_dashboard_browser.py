@@ -77,6 +77,10 @@ def test_signing_in_keeps_only_the_key_id_in_a_strict_http_only_cookie(browser, 
     assert api.key.secret not in cookie["value"]
     assert cookie_payload(cookie["value"])["key_id"] == api.key.key_id
     assert api.key.secret.split("_")[-1] not in str(cookie_payload(cookie["value"]))
+    # The page as a client without JavaScript reads it: the same rows and statuses.
+    plain = browser.requests_session().get(f"{system.url}/ui/runs", timeout=10).text
+    assert f'data-run-id="{run_id}"' in plain
+    assert re.search(r'data-testid="run-status" data-status="completed"[^>]*>completed<', plain)
     # The viewer's zone in the text, UTC on hover.
     stamp = browser.one(f"[data-run-id='{run_id}'] time")
     assert stamp.get_attribute("title").endswith(" UTC") and "UTC" not in stamp.text
@@ -168,11 +172,19 @@ def test_a_post_without_the_csrf_token_is_refused_and_changes_nothing(browser, s
     api.post(f"/v1/runs/{run_id}/stop")  # free the worker thread for the next tests
 
 
-def test_a_second_key_sees_none_of_the_first_keys_runs(browser, system, ui_ledger):
+def test_a_second_key_sees_none_of_the_first_keys_runs(browser, system, ui_ledger, receiver):
     first = client(system, ui_ledger)
-    theirs = [admit(first, "echo", {"n": n}) for n in range(3)]
+    hook = receiver(answer_with(500))
+    theirs = [admit(first, "echo", {"n": n}, callback_url=hook.url()) for n in range(3)]
     for run_id in theirs:
         wait_for_status(first, run_id)
+    [parked] = wait_until(lambda: [d for d in first.get(f"/v1/runs/{theirs[0]}/deliveries")
+                                   .json()["data"] if d["state"] == "parked"], 30, 0.1,
+                          "a parked delivery of the first key's")
+    browser.sign_in(first.key)  # what the first key sees, for contrast
+    browser.open("/ui/deliveries")
+    assert parked["id"] in {r.get_attribute("data-delivery-id")
+                            for r in browser.by_testid("delivery-row")}
     for other in (client(system, ui_ledger), client(system, ui_ledger, admin=True,
                                                     profile="elsewhere")):
         browser.sign_in(other.key)
@@ -184,8 +196,16 @@ def test_a_second_key_sees_none_of_the_first_keys_runs(browser, system, ui_ledge
         ids = "&".join(f"id={run_id}" for run_id in theirs)
         assert http.get(f"{system.url}/ui/live/statuses?{ids}", timeout=10).json() == {"runs": {}}
         assert http.get(f"{system.url}/ui/live/runs/{theirs[0]}", timeout=10).status_code == 404
-        browser.open("/ui/deliveries")
-        assert browser.by_testid("delivery-row") == []
+        every_state = "&".join(f"state={s}" for s in ("pending", "attempting", "parked",
+                                                       "delivered", "discarded"))
+        browser.open(f"/ui/deliveries?{every_state}")
+        assert browser.by_testid("delivery-row") == [] and browser.by_testid("no-deliveries")
+        # Its own valid form token, aimed at the first key's delivery: not found, unchanged.
+        token = browser.one("input[name='csrf_token']").get_attribute("value")
+        refused = http.post(f"{system.url}/ui/deliveries/{parked['id']}/retry",
+                            data={"csrf_token": token}, timeout=10, allow_redirects=False)
+        assert refused.status_code == 404 and "no such delivery" in refused.text
+        assert first.get(f"/v1/runs/{theirs[0]}/deliveries").json()["data"][0] == parked
 
 
 def test_a_revoked_key_is_signed_out_at_its_next_request(browser, system, ui_ledger):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from flask import flash, redirect, request, url_for
 from werkzeug.wrappers import Response
 
-from ...errors import RunNotFound, RunstileError
+from ...errors import DeliveryNotFound, RunNotFound, RunstileError
 from .. import approvals
 from .. import deliveries as api_deliveries
 from .. import runs as api_runs
@@ -28,8 +28,8 @@ def _attempt(action: Callable[[], str]) -> None:
     """Run ``action``; flash what it says, or the refusal's message."""
     try:
         flash(action(), "ok")
-    except RunNotFound:
-        raise
+    except (RunNotFound, DeliveryNotFound):
+        raise  # what the key may not see is a "Not found" page, as in the API
     except RunstileError as exc:
         flash(exc.message, "error")
 
