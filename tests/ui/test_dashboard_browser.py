@@ -78,7 +78,10 @@ def test_signing_in_keeps_only_the_key_id_in_a_strict_http_only_cookie(browser, 
     assert cookie_payload(cookie["value"])["key_id"] == api.key.key_id
     assert api.key.secret.split("_")[-1] not in str(cookie_payload(cookie["value"]))
     # The page as a client without JavaScript reads it: the same rows and statuses.
-    plain = browser.requests_session().get(f"{system.url}/ui/runs", timeout=10).text
+    answer = browser.requests_session().get(f"{system.url}/ui/runs", timeout=10)
+    assert "frame-ancestors 'none'" in answer.headers["Content-Security-Policy"]
+    assert answer.headers["Cache-Control"] == "no-store"
+    plain = answer.text
     assert f'data-run-id="{run_id}"' in plain
     assert re.search(r'data-testid="run-status" data-status="completed"[^>]*>completed<', plain)
     # The viewer's zone in the text, UTC on hover.
@@ -192,6 +195,8 @@ def test_a_second_key_sees_none_of_the_first_keys_runs(browser, system, ui_ledge
         browser.open(f"/ui/runs/{theirs[0]}")
         assert browser.driver.title.startswith("Not found")
         assert not browser.by_testid("action-stop") and not browser.by_testid("action-retry")
+        browser.open("/ui/no-such-page")
+        assert browser.driver.title.startswith("Not found")
         http = browser.requests_session()
         ids = "&".join(f"id={run_id}" for run_id in theirs)
         assert http.get(f"{system.url}/ui/live/statuses?{ids}", timeout=10).json() == {"runs": {}}
@@ -254,12 +259,18 @@ def test_a_parked_delivery_is_retried_from_the_deliveries_page(browser, system, 
 
 
 def test_an_admin_key_sees_every_run_of_its_profile_and_the_recovery_page(browser, system,
-                                                                          ui_ledger):
+                                                                          ui_ledger, tmp_path):
     clients = [client(system, ui_ledger) for _ in range(2)]
     mine = [admit(c, task, {"n": n}, session_key=f"customer-{n}")
             for n, (c, task) in enumerate(zip(clients, ("echo", "fail"), strict=True))]
     for c, run_id in zip(clients, mine, strict=True):
         wait_for_status(c, run_id)
+    # Two that are still going, for the screenshot's sake.
+    log = str(tmp_path / "log")
+    going = [admit(clients[0], "t.approval", {"log": log, "n": 1}, metadata={"team": "ops"}),
+             admit(clients[1], "t.hold", {"log": log, "ticks": 600}, session_key="customer-1")]
+    wait_for_status(clients[0], going[0], ("waiting_for_approval",))
+    wait_for_status(clients[1], going[1], ("running",))
     admin = client(system, ui_ledger, admin=True)
     browser.sign_in(admin.key)
     shown = {r.get_attribute("data-run-id") for r in browser.by_testid("run-row")}
@@ -274,6 +285,8 @@ def test_an_admin_key_sees_every_run_of_its_profile_and_the_recovery_page(browse
     assert re.fullmatch(r"\d+", browser.by_testid("generation")[0].text)
     browser.open("/ui/runs")
     browser.screenshot("runs.png")
+    for c, run_id in zip(clients, going, strict=True):
+        c.post(f"/v1/runs/{run_id}/stop")
     # A client key has no recovery page (404, as GET /v1/recovery).
     browser.sign_in(clients[0].key)
     browser.open("/ui/recovery")

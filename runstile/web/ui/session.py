@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hmac
 import secrets
+from typing import NoReturn
 
 from flask import g, redirect, render_template, request, session, url_for
 from werkzeug.wrappers import Response
 
-from ...errors import LedgerUnavailable, RunstileError
+from ...errors import LedgerUnavailable, RouteNotFound, RunstileError
 from ...ledger import dashboard, keys
 from ..errors import error_response
 from ..state import conn, state
@@ -66,6 +67,32 @@ def _signed_in() -> Response | tuple[dict[str, object], int] | None:
         return redirect(url_for("ui.login_form", reason=reason))
     g.principal = principal  # what the API's scoping reads (web/auth.py)
     return None
+
+
+#: Every dashboard answer: nothing loads from elsewhere or runs inline (so injected markup
+#: could not run even if it got past escaping), no page can be framed (a framed button
+#: could be clicked by a page that overlays it), and no page is kept in a cache after
+#: sign-out.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'self'; object-src 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+
+
+@blueprint.after_request
+def _headers(response: Response) -> Response:
+    response.headers.update(SECURITY_HEADERS)
+    if request.endpoint != "ui.static":
+        response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+@blueprint.get("/ui/<path:rest>")
+def unknown_page(rest: str) -> NoReturn:
+    raise RouteNotFound("no such page")
 
 
 @blueprint.errorhandler(CsrfRefused)
