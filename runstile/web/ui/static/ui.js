@@ -3,6 +3,9 @@
 (function () {
   "use strict";
   var POLL_MS = 1500;
+  // A finished run only gains delivery events: its page polls more slowly.
+  var SETTLED_POLL_MS = 5000;
+  var TERMINAL = ["completed", "failed", "cancelled", "interrupted"];
 
   function localTimes(root) {
     var fmt = new Intl.DateTimeFormat(undefined, {
@@ -32,18 +35,36 @@
       });
   }
 
-  function schedule(fn) { window.setTimeout(fn, POLL_MS); }
+  // No polling while the tab is hidden; the first tick after it shows again catches up.
+  function schedule(fn, ms) {
+    window.setTimeout(function () {
+      if (document.hidden) {
+        document.addEventListener("visibilitychange", function once() {
+          document.removeEventListener("visibilitychange", once);
+          fn();
+        });
+      } else { fn(); }
+    }, ms || POLL_MS);
+  }
 
-  // Runs page: poll the statuses of the rows on screen and repaint their badges.
+  // Runs page: poll the statuses of the rows on screen that have not finished, and
+  // repaint their badges; a finished run's status never changes again.
   function liveRuns() {
-    var rows = document.querySelectorAll("[data-testid='run-row']");
-    if (!rows.length) { return; }
-    var query = Array.prototype.map.call(rows, function (row) {
-      return "id=" + encodeURIComponent(row.getAttribute("data-run-id"));
-    }).join("&");
+    var rows = Array.prototype.slice.call(document.querySelectorAll("[data-testid='run-row']"));
+    function going() {
+      return rows.filter(function (row) {
+        var badge = row.querySelector("[data-testid='run-status']");
+        return badge && TERMINAL.indexOf(badge.getAttribute("data-status")) < 0;
+      });
+    }
     function tick() {
+      var watched = going();
+      if (!watched.length) { return; }
+      var query = watched.map(function (row) {
+        return "id=" + encodeURIComponent(row.getAttribute("data-run-id"));
+      }).join("&");
       getJSON("/ui/live/statuses?" + query).then(function (body) {
-        rows.forEach(function (row) {
+        watched.forEach(function (row) {
           var run = body.runs[row.getAttribute("data-run-id")];
           var badge = row.querySelector("[data-testid='run-status']");
           if (run && badge) { setStatus(badge, run.status); }
@@ -64,7 +85,10 @@
         var moved = run.newer_events || run.status !== body.getAttribute("data-status") ||
           run.updated_at !== body.getAttribute("data-updated");
         return moved ? redraw() : null;
-      }).catch(function () {}).then(function () { schedule(tick); });
+      }).catch(function () {}).then(function () {
+        var settled = TERMINAL.indexOf(body.getAttribute("data-status")) >= 0;
+        schedule(tick, settled ? SETTLED_POLL_MS : POLL_MS);
+      });
     }
     schedule(tick);
   }
