@@ -283,6 +283,7 @@ def test_an_admin_key_sees_every_run_of_its_profile_and_the_recovery_page(browse
     assert "boot" in browser.one("[data-testid='recovery-table']").text
     browser.open("/ui/health")
     assert re.fullmatch(r"\d+", browser.by_testid("generation")[0].text)
+    assert browser.by_testid("workers-table"), "the worker process's consumers"
     browser.open("/ui/runs")
     browser.screenshot("runs.png")
     for c, run_id in zip(clients, going, strict=True):
@@ -291,6 +292,8 @@ def test_an_admin_key_sees_every_run_of_its_profile_and_the_recovery_page(browse
     browser.sign_in(clients[0].key)
     browser.open("/ui/recovery")
     assert browser.driver.title.startswith("Not found")
+    browser.open("/ui/health")
+    assert browser.by_testid("generation") and not browser.by_testid("workers-table")
 
 
 def test_the_dashboard_renders_hostile_text_as_text(browser, system, ui_ledger):

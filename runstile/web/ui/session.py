@@ -1,5 +1,5 @@
 """Signing in and out, the signed-in key on every request, and the CSRF token
-(docs/dashboard.md, "Sessions").
+(docs/dashboard.md, "Signing in").
 
 The cookie holds the key id and a CSRF token, never the secret.  Every request reads
 the key again, so a revoked key's session ends at its next request; every POST must
