@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= ./runstile-data
 PYTEST_ARGS ?=
 
-.PHONY: run test chaos bench lint docs clean venv
+.PHONY: run test chaos bench lint docs screenshots clean venv
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ chaos: venv
 ## bench: benchmarks, reported as ratios against baselines measured in the same run
 bench: venv
 	$(PY) bench/run.py
+
+## screenshots: the dashboard's browser tests, leaving docs/img/*.png for docs/dashboard.md
+screenshots: venv
+	RUNSTILE_SCREENSHOTS=docs $(PY) -m pytest tests/ui -p no:cacheprovider $(PYTEST_ARGS)
 
 ## lint: ruff (every file) and mypy (strict where pyproject.toml says)
 lint: venv

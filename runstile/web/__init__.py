@@ -41,7 +41,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     ``writer_socket``: where ``serve``'s admission writer listens (web/writer/); without
     it the process commits its own admissions.
     """
-    from . import approvals, deliveries, errors, metrics, runs, schedules, service
+    from . import approvals, deliveries, errors, metrics, runs, schedules, service, ui
 
     app = Flask("runstile")
     json_provider = cast(DefaultJSONProvider, app.json)  # Flask's default provider
@@ -72,4 +72,5 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     app.register_blueprint(deliveries.blueprint)
     app.register_blueprint(service.blueprint)
     app.register_blueprint(schedules.blueprint)
+    ui.install(app, settings)  # the dashboard at /ui/ (docs/dashboard.md)
     return app

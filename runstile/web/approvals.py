@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flask import Blueprint, Response, jsonify, request
 
 from ..errors import InvalidRequest, RunNotFound
@@ -32,7 +34,13 @@ def decide(run_id: str) -> Response:
     if not isinstance(approval_id, str) or not 1 <= len(approval_id) <= 64:
         raise InvalidRequest("approval_id must be the id from the run's approval object",
                              field="approval_id")
+    return jsonify(run_object(decide_approval(run_id, approval_id, decision)))
+
+
+def decide_approval(run_id: str, approval_id: str, decision: object) -> dict[str, Any]:
+    """A decision on a run the caller may see (checked by the caller), shared by the
+    API's route and the dashboard's forms (web/ui/)."""
     if decision not in approvals.DECISIONS:
         raise InvalidRequest("decision must be 'approve' or 'deny'", field="decision")
-    run = approvals.decide(conn(), run_id, approval_id, decision, state().dispatcher.enqueue)
-    return jsonify(run_object(run))
+    return approvals.decide(conn(), run_id, approval_id, str(decision),
+                            state().dispatcher.enqueue)

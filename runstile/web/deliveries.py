@@ -49,6 +49,20 @@ def _by() -> str:
 def retry_delivery(delivery_id: str) -> Response:
     """parked -> pending with fresh attempts (200).  Already pending or in flight: 200,
     nothing changes.  Delivered or discarded: 409 delivery_settled."""
+    return jsonify(delivery_object(rearm(delivery_id)))
+
+
+@blueprint.post("/v1/deliveries/<delivery_id>/discard")
+def discard_delivery(delivery_id: str) -> Response:
+    """pending | parked -> discarded (200); again: 200.  Delivered: 409
+    delivery_settled; an attempt under way: 409 delivery_in_flight (ask again)."""
+    return jsonify(delivery_object(discard(delivery_id)))
+
+
+# A person's decisions, shared by the API's routes and the dashboard's forms (web/ui/).
+
+def rearm(delivery_id: str) -> dict[str, Any]:
+    """Re-arm a parked delivery the caller may see: the row as it now stands."""
     _visible(delivery_id)
     decided = obligations.rearm(conn(), delivery_id, by=_by())
     if decided is None:  # gone since _visible read it
@@ -61,13 +75,11 @@ def retry_delivery(delivery_id: str) -> Response:
         if current is None:  # not expected: retention keeps a run that owes a delivery
             raise DeliveryNotFound("no such delivery")
         row = current
-    return jsonify(delivery_object(row))
+    return row
 
 
-@blueprint.post("/v1/deliveries/<delivery_id>/discard")
-def discard_delivery(delivery_id: str) -> Response:
-    """pending | parked -> discarded (200); again: 200.  Delivered: 409
-    delivery_settled; an attempt under way: 409 delivery_in_flight (ask again)."""
+def discard(delivery_id: str) -> dict[str, Any]:
+    """Discard a pending or parked delivery the caller may see, for good."""
     _visible(delivery_id)
     decided = obligations.discard(conn(), delivery_id, by=_by())
     if decided is None:  # gone since _visible read it
@@ -77,4 +89,4 @@ def discard_delivery(delivery_id: str) -> Response:
         raise DeliverySettled("the delivery was delivered")
     if not changed and row["state"] == "attempting":
         raise DeliveryInFlight("an attempt is under way; ask again when it ends")
-    return jsonify(delivery_object(row))
+    return row

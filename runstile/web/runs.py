@@ -119,13 +119,7 @@ def stop_run(run_id: str) -> Response:
     """200 when the run is settled (cancelled now, or already terminal), 202 while a
     running body is being stopped.  Repeats are harmless (docs/api.md,
     "POST /v1/runs/{run_id}/stop — stop a run")."""
-    visible_run(run_id)
-    # A cancel may free the run's session and owe its callback a notice: the commit
-    # pays both (docs/architecture.md, "What a commit owes").
-    stopped = execution.stop(conn(), run_id, enqueue=state().dispatcher.enqueue)
-    if stopped is None:
-        raise RunNotFound("no such run")
-    run, settled = stopped
+    run, settled = stop(run_id)
     response = jsonify(run_object(run))
     response.status_code = 200 if settled else 202
     return response
@@ -135,6 +129,33 @@ def stop_run(run_id: str) -> Response:
 def resume_run(run_id: str) -> Response:
     """A person accepts the uncertainty of a paused run; it runs again (docs/api.md,
     "POST /v1/runs/{run_id}/resume — resume a paused run")."""
+    return jsonify(run_object(resume(run_id)))
+
+
+@blueprint.post("/v1/runs/<run_id>/retry")
+def retry_run(run_id: str) -> Response:
+    """A new run of a failed, cancelled or interrupted run's task and input, admitted as
+    any run is (docs/api.md, "POST /v1/runs/{run_id}/retry — retry a finished run")."""
+    key = admission.parse_idempotency_key(request.environ)
+    return _accepted(retry(run_id, key))
+
+
+# The control actions, shared by the API's routes and the dashboard's forms (web/ui/),
+# so a transition has one implementation whichever surface asks for it.
+
+def stop(run_id: str) -> tuple[dict[str, Any], bool]:
+    """Stop a run the caller may see: (run, settled)."""
+    visible_run(run_id)
+    # A cancel may free the run's session and owe its callback a notice: the commit
+    # pays both (docs/architecture.md, "What a commit owes").
+    stopped = execution.stop(conn(), run_id, enqueue=state().dispatcher.enqueue)
+    if stopped is None:
+        raise RunNotFound("no such run")
+    return stopped
+
+
+def resume(run_id: str) -> dict[str, Any]:
+    """Re-queue a paused run the caller may see; RunNotPaused otherwise."""
     run = visible_run(run_id)
     resumed = execution.requeue(conn(), run_id, from_statuses=("paused",), reason="resumed",
                                 event_type="run.resumed", enqueue=state().dispatcher.enqueue)
@@ -142,15 +163,13 @@ def resume_run(run_id: str) -> Response:
         current = runs.get_visible(conn(), principal(), run_id) or run
         raise RunNotPaused(f"the run is {current['status']}, not paused",
                            run_status=current["status"])
-    return jsonify(run_object(resumed))
+    return resumed
 
 
-@blueprint.post("/v1/runs/<run_id>/retry")
-def retry_run(run_id: str) -> Response:
-    """A new run of a failed, cancelled or interrupted run's task and input, admitted as
-    any run is (docs/api.md, "POST /v1/runs/{run_id}/retry — retry a finished run")."""
+def retry(run_id: str, key: str | None) -> Admitted:
+    """Admit a new run of a retryable run the caller may see (``key``: its
+    Idempotency-Key, if any); RunNotRetryable otherwise."""
     web = state()
-    key = admission.parse_idempotency_key(request.environ)
     original = visible_run(run_id)
     # Retryable statuses are terminal, so the status read here is the run's for good.
     if original["status"] not in RETRYABLE:
@@ -159,7 +178,7 @@ def retry_run(run_id: str) -> Response:
                               run_status=original["status"])
     req, refusal = admission.build_retry(original, principal(), key, settings=web.settings,
                                          task_names=web.task_names)
-    return _accepted(_admit(web, req, refusal))
+    return _admit(web, req, refusal)
 
 
 @blueprint.get("/v1/runs/<run_id>")

@@ -21,7 +21,8 @@ from runstile.config import ENV_VARIABLES, Settings
 from runstile.web import openapi
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-PAGES = ("guarantees.md", "api.md", "tasks.md", "configuration.md", "operations.md", "architecture.md")
+PAGES = ("guarantees.md", "api.md", "tasks.md", "configuration.md", "operations.md", "architecture.md",
+         "dashboard.md")
 
 #: Settings whose default is computed on the machine that runs runstile, not a constant:
 #: attribute -> the words configuration.md must use for it instead of a value.
