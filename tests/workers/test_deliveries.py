@@ -238,6 +238,7 @@ def _flaky(handler, record) -> int:
 _flaky.seen = {}
 
 
+@pytest.mark.chaos  # a soak of a minute and more: `make chaos` (and .ci/run) runs it
 def test_1000_obligations_through_a_flaky_receiver_and_20_deliverer_kills_end_delivered_or_parked(
         ledger, receiver, tmp_path):
     """≥ 20 SIGKILLs of the deliverer, each right after a receiver answered and before the
