@@ -67,6 +67,45 @@ def run_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
     return None if row is None else dict(row)
 
 
+STATES = ("pending", "attempting", "delivered", "parked", "discarded")
+#: The states an operator watches: what is still owed (docs/operations.md, "Metrics").
+BACKLOG_STATES = ("pending", "attempting", "parked")
+
+
+def list_visible(conn: sqlite3.Connection, scope: tuple[str, tuple[str, ...]], *,
+                 states: Sequence[str], before: int | None,
+                 limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """Obligations of the runs ``scope`` (``runs.visible_clause``) may see, newest first,
+    keyset-paged on rowid (an insert while a client pages gets a larger one, so pages
+    never repeat or skip); ``states`` empty means every state.  Also returns has_more."""
+    where, args = scope
+    clauses, params = [f"run_id IN (SELECT id FROM runs WHERE {where})"], list[object](args)
+    if states:
+        clauses.append(f"state IN ({', '.join('?' for _ in states)})")
+        params += list(states)
+    if before is not None:
+        clauses.append("rowid < ?")
+        params.append(before)
+    with db.ledger_errors():
+        rows = conn.execute(
+            f"SELECT rowid AS page_seq, * FROM obligations WHERE {' AND '.join(clauses)} "
+            "ORDER BY rowid DESC LIMIT ?", (*params, limit + 1)).fetchall()
+    return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+
+def backlog(conn: sqlite3.Connection) -> dict[str, int]:
+    """Obligations not yet settled, by state, node-wide (the metrics gauge).  The WHERE clause is
+    obligations_unsettled's own, so SQLite reads that partial index, never the history.
+    """
+    counts = dict.fromkeys(BACKLOG_STATES, 0)
+    with db.ledger_errors():
+        for state, n in conn.execute(
+                "SELECT state, COUNT(*) FROM obligations "
+                "WHERE state NOT IN ('delivered', 'discarded') GROUP BY state").fetchall():
+            counts[state] = n
+    return counts
+
+
 def unsent(conn: sqlite3.Connection, *, run_ids: Sequence[str] | None = None,
            stale_s: float | None = None, grace_s: float = 0.0, limit: int = 500) -> list[str]:
     """Pending obligations due (``grace_s`` ago) that need a message (of these runs, or
