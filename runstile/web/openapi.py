@@ -263,7 +263,9 @@ def _service_paths() -> JSONObject:
         "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus text",
                              "security": [],
                              "responses": {"200": {"description": "metrics", "content": {
-                                 "text/plain": {"schema": {"type": "string"}}}}}}},
+                                 "text/plain": {"schema": {"type": "string"}}}},
+                                 "401": _error("RUNSTILE_METRICS_TOKEN is set and the "
+                                               "request's bearer token is not it")}}},
         "/openapi.json": {"get": {
             "operationId": "openapi", "summary": "This document",
             "responses": {"200": _any_object("OpenAPI 3.1"),
