@@ -48,7 +48,7 @@ def serve(settings, host, port, web_workers, web_threads):
     from ..web.server import run_gunicorn
     logs.configure(settings.log_format, node=settings.node_id,
                    text_format="%(asctime)s %(levelname)s [serve] %(message)s")
-    _ledger(settings).close()
+    _ledger(settings, create=True).close()
     filemodes.warn_loose(settings.data_dir)
     banner = (f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
               f"(ledger {settings.ledger_path})")

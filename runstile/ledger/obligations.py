@@ -93,6 +93,13 @@ def list_visible(conn: sqlite3.Connection, scope: tuple[str, tuple[str, ...]], *
     return [dict(r) for r in rows[:limit]], len(rows) > limit
 
 
+def list_all(conn: sqlite3.Connection, *, states: Sequence[str],
+             limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """Every run's obligations, newest first (``runstile deliveries list`` on the local
+    ledger: an operator sees every profile)."""
+    return list_visible(conn, ("1 = 1", ()), states=states, before=None, limit=limit)
+
+
 def backlog(conn: sqlite3.Connection) -> dict[str, int]:
     """Obligations not yet settled, by state, node-wide (the metrics gauge).  The WHERE clause is
     obligations_unsettled's own, so SQLite reads that partial index, never the history.
