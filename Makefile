@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# Two stamps: `make run` installs what running needs (RUN_STAMP); `make test` and the
+# other developer targets add the dev extra (STAMP), which includes the runtime too.
 STAMP  := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 DATA   ?= ./runstile-data
+PORT   ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: run test chaos bench lint docs clean venv
@@ -13,13 +17,18 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[dev]'
-	touch $(STAMP)
+	$(PIP) install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP) $(RUN_STAMP)
 
-## run: install into .venv and start runstile on the embedded default with demo tasks
-run: venv
-	$(VENV)/bin/runstile up --data-dir $(DATA)
+$(RUN_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --disable-pip-version-check -e .
+	touch $(RUN_STAMP)
+
+## run: install the runtime into .venv and start runstile (embedded broker, demo tasks)
+## on PORT (default 8000)
+run: $(RUN_STAMP)
+	$(VENV)/bin/runstile up --data-dir $(DATA) --port $(PORT)
 
 ## test: install dev dependencies and run the whole suite (chaos profile excluded)
 test: venv
