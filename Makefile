@@ -17,12 +17,21 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --upgrade
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[dev]'
 	touch $(STAMP) $(RUN_STAMP)
 
+# The runtime alone, quickly: a venv without its own pip, filled by this Python's pip
+# (pip >= 22.3 installs into another interpreter with --python), else by the venv's.
 $(RUN_STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check -e .
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	if $(PYTHON) -m pip --python $(PY) --version >/dev/null 2>&1; then \
+	  $(PYTHON) -m pip --python $(PY) install --quiet --disable-pip-version-check -e . ; \
+	else \
+	  $(PY) -m ensurepip --upgrade >/dev/null && \
+	  $(PIP) install --quiet --disable-pip-version-check -e . ; \
+	fi
 	touch $(RUN_STAMP)
 
 ## run: install the runtime into .venv and start runstile (embedded broker, demo tasks)
