@@ -2,8 +2,9 @@
 
 Each repeated option stack is one decorator here, so a command names it once and its
 help text is written once: ``settings_options`` (``--data-dir``, ``--tasks``, turned into
-``settings``), ``json_option`` (``--json``), ``client_options`` (those two plus ``--url``
-and ``--api-key``, turned into a ``Client``), ``listen_options`` (``--host``, ``--port``),
+``settings``), ``json_option`` (``--json``), ``client_options`` (``--url`` and
+``--api-key``, turned into a ``Client``), ``client_or_ledger_options`` (all four: HTTP
+with a key, else the local ledger), ``listen_options`` (``--host``, ``--port``),
 ``pool_options`` (``--workers``, ``--threads``) and ``web_workers_option``.  A decorator
 adds its options where it stands in a command's stack, so ``--help`` lists them in that
 order.
