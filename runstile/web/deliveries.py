@@ -23,7 +23,7 @@ from ..ledger import obligations, runs
 from ..objects import delivery_object
 from .auth import authenticate, principal
 from .runs import decode_cursor, encode_cursor
-from .state import conn
+from .state import conn, state
 
 blueprint = Blueprint("deliveries", __name__)
 
@@ -64,7 +64,8 @@ def list_all_deliveries() -> Response:
     cursor = request.args.get("cursor")
     rows, has_more = obligations.list_visible(
         conn(), runs.visible_clause(principal()), states=states, limit=limit,
-        before=None if cursor is None else decode_cursor(cursor))
+        before=None if cursor is None else decode_cursor(cursor),
+        timeout_s=state().settings.list_query_timeout_ms / 1000)
     return jsonify({"object": "list", "data": [delivery_object(r) for r in rows],
                     "has_more": has_more,
                     "next_cursor": encode_cursor(rows[-1]["page_seq"]) if has_more else None})

@@ -216,7 +216,9 @@ def _delivery_paths() -> JSONObject:
                                  "default": 20}, ""),
                 _query("cursor", _TEXT, "next_cursor of the previous page")],
             "responses": {"200": _json("DeliveryList", "one page"),
-                          "400": _error("invalid_request"), **_AUTH_ERRORS}}},
+                          "400": _error("invalid_request"), **_AUTH_ERRORS,
+                          "503": _error("run_storage_unavailable, or list_query_timeout "
+                                        "(Retry-After)")}}},
         "/v1/deliveries/{delivery_id}/retry": {"post": {
             "operationId": "retryDelivery",
             "summary": "Re-arm a parked delivery with fresh attempts",
