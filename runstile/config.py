@@ -300,6 +300,33 @@ def share_metrics_across_processes(folder: str) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
 
 
+#: Prefix of the multiprocess folders ``up`` and ``serve`` make in the temporary directory.
+METRICS_FOLDER_PREFIX = "runstile-metrics-"
+
+
+def new_metrics_folder() -> str:
+    """A fresh multiprocess folder, owned by this process (its pid in ``owner``), after
+    removing the folders of owners that are gone (a ``up`` or ``serve`` killed before it
+    could remove its own).  A live owner's folder, or one whose owner cannot be told,
+    is left alone."""
+    import shutil
+    import tempfile
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(METRICS_FOLDER_PREFIX + "*"):
+        try:
+            if old.stat().st_uid != os.getuid():
+                continue
+            pid = int((old / "owner").read_text())
+            os.kill(pid, 0)  # raises ProcessLookupError when the owner is gone
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # no owner file (an older runstile), unreadable, or not ours to end
+    folder = tempfile.mkdtemp(prefix=METRICS_FOLDER_PREFIX)
+    (Path(folder) / "owner").write_text(str(os.getpid()))
+    return folder
+
+
 def shared_metrics_folder() -> str | None:
     """The multiprocess folder this process was started with (``runstile up`` sets it
     for its children; an operator may set it for ``serve`` and ``worker``), or None."""

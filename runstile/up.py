@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,12 @@ import click
 
 from . import filemodes, logs
 from . import tasks as registry
-from .config import Settings, share_metrics_across_processes, shared_metrics_folder
+from .config import (
+    Settings,
+    new_metrics_folder,
+    share_metrics_across_processes,
+    shared_metrics_folder,
+)
 from .errors import ConfigError
 from .ledger import db, keys, maintenance, migrations, nodes
 from .nodelock import NodeLock
@@ -72,7 +76,7 @@ def share_metrics(settings: Settings) -> str | None:
     """
     if shared_metrics_folder() is not None:
         return None
-    folder = tempfile.mkdtemp(prefix="runstile-metrics-")
+    folder = new_metrics_folder()
     share_metrics_across_processes(folder)
     return folder
 

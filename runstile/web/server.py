@@ -10,13 +10,17 @@ ledger connection crosses a fork (docs/architecture.md, "The web tier").
 from __future__ import annotations
 
 import shutil
-import tempfile
 from typing import TYPE_CHECKING
 
 from gunicorn.app.base import BaseApplication
 
 from .. import logs
-from ..config import Settings, share_metrics_across_processes, shared_metrics_folder
+from ..config import (
+    Settings,
+    new_metrics_folder,
+    share_metrics_across_processes,
+    shared_metrics_folder,
+)
 from ..filemodes import PRIVATE_UMASK
 from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
@@ -92,7 +96,7 @@ def run_gunicorn(settings: Settings) -> None:
     # Under ``runstile up`` the supervisor made the folder for the whole node (web and
     # workers); it, or an operator's PROMETHEUS_MULTIPROC_DIR, is used and kept as it is.
     inherited = shared_metrics_folder()
-    metrics_dir = inherited or tempfile.mkdtemp(prefix="runstile-metrics-")
+    metrics_dir = inherited or new_metrics_folder()
     share_metrics_across_processes(metrics_dir)
     writer = WriterProcess(settings) if settings.admission_writer == "process" else None
     try:
