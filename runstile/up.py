@@ -150,8 +150,8 @@ class Supervisor:
             conn.close()
         host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
         self.say(f"runstile is up: http://{host}:{self.settings.port}  "
-                   f"(node {self.settings.node_id}, generation {generation}, "
-                   f"data {self.settings.data_dir})")
+                 f"(node {self.settings.node_id}, generation {generation}, "
+                 f"data {self.settings.data_dir})")
         if secret:
             self.say("bootstrap admin key for profile 'default' (shown once, keep it):")
             self.say(f"  {secret}")
@@ -159,9 +159,9 @@ class Supervisor:
             # The key is printed once, above: logs and terminal scrollback are read by
             # more people than should hold an admin key (docs/guarantees.md).
             self.say(f"try, with KEY set to that key: curl -s -X POST "
-                       f"http://{host}:{self.settings.port}/v1/runs "
-                       "-H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' "
-                       "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
+                     f"http://{host}:{self.settings.port}/v1/runs "
+                     "-H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' "
+                     "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
         sys.stdout.flush()
 
     def _stop(self) -> None:
@@ -181,12 +181,13 @@ class Supervisor:
     def run(self) -> int:
         logs.configure(self.settings.log_format, node=self.settings.node_id,
                        text_format="%(asctime)s %(levelname)s [supervisor] %(message)s")
-        if self.web:
-            # Before a key is made or a line printed: a taken port is a usage error.
-            check_port_free(self.settings.host, self.settings.port)
-        metrics_dir = share_metrics(self.settings)
         lock = NodeLock(self.settings.data_dir, self.settings.node_id).acquire()
+        metrics_dir = None
         try:
+            if self.web:
+                # Before a ledger, a key or a line: a port taken is a usage error.
+                check_port_free(self.settings.host, self.settings.port)
+            metrics_dir = share_metrics(self.settings)
             return self._run_locked()
         finally:
             lock.release()
