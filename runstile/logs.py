@@ -19,7 +19,9 @@ import contextvars
 import datetime as dt
 import json
 import logging
+import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,8 +89,6 @@ def json_line(message: str, *, node: str | None, logger: str, level: str = "INFO
               **fields: Any) -> str:
     """A line shaped as :class:`JsonFormatter`'s, for what a command prints itself (the
     ``up`` banner) when the log format is json."""
-    import os
-    import time
     return json.dumps({"ts": _ts(time.time()), "level": level, "logger": logger,
                        "message": message, "node": node, "pid": os.getpid(), **fields},
                       ensure_ascii=False)
