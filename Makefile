@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# Two stamps: `make run` installs what running needs (RUN_STAMP); `make test` and the
+# other developer targets add the dev extra (STAMP), which includes the runtime too.
 STAMP  := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 DATA   ?= ./runstile-data
+PORT   ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: run test chaos bench lint docs screenshots clean venv
@@ -13,13 +17,27 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --upgrade
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
 
-## run: install into .venv and start runstile on the embedded default with demo tasks
-run: venv
-	$(VENV)/bin/runstile up --data-dir $(DATA)
+# The runtime alone, quickly: a venv without its own pip, filled by this Python's pip
+# (pip >= 22.3 installs into another interpreter with --python), else by the venv's.
+$(RUN_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	if $(PYTHON) -m pip --python $(PY) --version >/dev/null 2>&1; then \
+	  $(PYTHON) -m pip --python $(PY) install --quiet --disable-pip-version-check -e . ; \
+	else \
+	  $(PY) -m ensurepip --upgrade >/dev/null && \
+	  $(PIP) install --quiet --disable-pip-version-check -e . ; \
+	fi
+	touch $(RUN_STAMP)
+
+## run: install the runtime into .venv and start runstile (embedded broker, demo tasks)
+## on PORT (default 8000)
+run: $(RUN_STAMP)
+	$(VENV)/bin/runstile up --data-dir $(DATA) --port $(PORT)
 
 ## test: install dev dependencies and run the whole suite (chaos profile excluded)
 test: venv

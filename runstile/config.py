@@ -120,6 +120,17 @@ def _allowlist(raw: str) -> tuple[str, ...]:
     return entries
 
 
+#: How every process of runstile writes its log lines (runstile/logs.py).
+LOG_FORMATS = ("text", "json")
+
+
+def _log_format(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}")
+    return value
+
+
 def _crashpoint(raw: str) -> str | None:
     value = raw.strip() or None
     if value is None:
@@ -236,6 +247,10 @@ class Settings:
     threads: int = 4
     #: Named crash point at which the process SIGKILLs itself (tests only).
     crashpoint: str | None = None
+    #: Bearer token ``GET /metrics`` requires; None: the route needs none.
+    metrics_token: str | None = None
+    #: "text" (one human line) or "json" (one object per line) for every log line.
+    log_format: str = "text"
 
     @property
     def ledger_path(self) -> Path:
@@ -283,6 +298,39 @@ def share_metrics_across_processes(folder: str) -> None:
     variable (its interface, not a runstile setting), so this is the one place that sets
     it; runstile's own code is handed the folder explicitly."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+
+
+#: Prefix of the multiprocess folders ``up`` and ``serve`` make in the temporary directory.
+METRICS_FOLDER_PREFIX = "runstile-metrics-"
+
+
+def new_metrics_folder() -> str:
+    """A fresh multiprocess folder, owned by this process (its pid in ``owner``), after
+    removing the folders of owners that are gone (a ``up`` or ``serve`` killed before it
+    could remove its own).  A live owner's folder, or one whose owner cannot be told,
+    is left alone."""
+    import shutil
+    import tempfile
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(METRICS_FOLDER_PREFIX + "*"):
+        try:
+            if old.stat().st_uid != os.getuid():
+                continue
+            pid = int((old / "owner").read_text())
+            os.kill(pid, 0)  # raises ProcessLookupError when the owner is gone
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # no owner file (an older runstile), unreadable, or not ours to end
+    folder = tempfile.mkdtemp(prefix=METRICS_FOLDER_PREFIX)
+    (Path(folder) / "owner").write_text(str(os.getpid()))
+    return folder
+
+
+def shared_metrics_folder() -> str | None:
+    """The multiprocess folder this process was started with (``runstile up`` sets it
+    for its children; an operator may set it for ``serve`` and ``worker``), or None."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 def _port(raw: str) -> int:
@@ -336,4 +384,6 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_WORKERS": (_positive_int, "worker processes"),
     "RUNSTILE_THREADS": (_positive_int, "threads per worker process"),
     "RUNSTILE_CRASHPOINT": (_crashpoint, "test crash point"),
+    "RUNSTILE_METRICS_TOKEN": (_optional_text, "bearer token for /metrics"),
+    "RUNSTILE_LOG_FORMAT": (_log_format, "log line format"),
 }

@@ -186,10 +186,13 @@ def callback_target(url: str, allowlist: tuple[str, ...] = ()
     if allowlisted(host, addr, allowlist):
         return parsed, None
     if host == "localhost" or host.endswith(".localhost"):
-        return None, "callback_url points at this machine (localhost)"
+        return None, ("callback_url points at this machine (localhost); an operator "
+                      "allows a host with RUNSTILE_CALLBACK_ALLOWLIST")
     if addr is not None and target_refused(addr):
         # The client's own literal, normalised: naming it reveals nothing.
-        return None, f"callback_url points at a refused address ({addr})"
+        return None, (f"callback_url points at a refused address ({addr}): loopback, "
+                      "private and other non-public addresses are refused unless "
+                      "RUNSTILE_CALLBACK_ALLOWLIST names them")
     return parsed, None
 
 

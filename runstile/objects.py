@@ -99,3 +99,12 @@ def delivery_object(row: dict) -> dict:
         "updated_at": rfc3339(row["updated_at"]),
         "settled_at": rfc3339(row["settled_at"]),
     }
+
+
+def step_object(row: dict) -> dict:
+    """A ``ctx.step`` journal row (docs/api.md, "GET /v1/runs/{run_id}/steps"): a failed
+    step's result is ``{"error": "..."}`` as the journal recorded it."""
+    return {"position": row["position"], "name": row["name"], "state": row["state"],
+            "idempotent": bool(row["idempotent"]), "attempt": row["attempt"],
+            "started_at": rfc3339(row["started_at"]),
+            "finished_at": rfc3339(row["completed_at"]), "result": _json(row["result"])}

@@ -9,8 +9,9 @@ it within 0.1 s in its watch loop and forwards SIGTERM to the children from ther
 
 from __future__ import annotations
 
-import logging
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,9 +20,15 @@ from dataclasses import dataclass, field
 
 import click
 
-from . import filemodes
+from . import filemodes, logs
 from . import tasks as registry
-from .config import Settings
+from .config import (
+    Settings,
+    new_metrics_folder,
+    share_metrics_across_processes,
+    shared_metrics_folder,
+)
+from .errors import ConfigError
 from .ledger import db, keys, maintenance, migrations, nodes
 from .nodelock import NodeLock
 from .recovery import reconcile
@@ -33,6 +40,46 @@ from .workers.scheduler import Scheduler
 KILL_GRACE_S = 5.0
 #: Seconds between two looks at the children and the signal pipe.
 WATCH_S = 0.1
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ConfigError when ``host:port`` cannot be bound (taken, or not an address of
+    this machine).  gunicorn binds with SO_REUSEADDR, and so does this probe."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process "
+                f"holds the port? choose another with --port or RUNSTILE_PORT)") from None
+
+
+def _connect_host(host: str) -> str:
+    """Where to reach a server listening on ``host`` (a wildcard means every address)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def share_metrics(settings: Settings) -> str | None:
+    """A fresh folder for prometheus_client's multiprocess mode, shared by this process
+    and every child (web, workers), before any of them imports prometheus_client: the
+    web's /metrics then adds up every process of the node (docs/operations.md,
+    "Metrics").  None when PROMETHEUS_MULTIPROC_DIR is already set: the operator's
+    folder is used as it is, and never removed.
+
+    In the system's temporary directory, never beside the ledger: prometheus_client
+    writes through mmap, and a full filesystem answers that with SIGBUS.
+    """
+    if shared_metrics_folder() is not None:
+        return None
+    folder = new_metrics_folder()
+    share_metrics_across_processes(folder)
+    return folder
 
 
 @dataclass
@@ -55,6 +102,14 @@ class Supervisor:
     #: Set by the main thread alone, once it has forwarded SIGTERM to the children.
     stopping: bool = False
     signals: StopSignals | None = None
+
+    def say(self, message: str, *, err: bool = False, level: str = "INFO") -> None:
+        """A line the supervisor prints itself: as it is, or (RUNSTILE_LOG_FORMAT=json)
+        as one JSON object shaped as every log line."""
+        if self.settings.log_format == "json":
+            message = logs.json_line(message, node=self.settings.node_id,
+                                     logger="runstile.up", level=level)
+        click.echo(message, err=err)
 
     def _common_args(self) -> list[str]:
         args = ["--data-dir", str(self.settings.data_dir)]
@@ -95,19 +150,19 @@ class Supervisor:
         finally:
             conn.close()
         host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
-        click.echo(f"runstile is up: http://{host}:{self.settings.port}  "
-                   f"(node {self.settings.node_id}, generation {generation}, "
-                   f"data {self.settings.data_dir})")
+        self.say(f"runstile is up: http://{host}:{self.settings.port}  "
+                 f"(node {self.settings.node_id}, generation {generation}, "
+                 f"data {self.settings.data_dir})")
         if secret:
-            click.echo("bootstrap admin key for profile 'default' (shown once, keep it):")
-            click.echo(f"  {secret}")
+            self.say("bootstrap admin key for profile 'default' (shown once, keep it):")
+            self.say(f"  {secret}")
         if secret and registry.get("chat") is not None:
             # The key is printed once, above: logs and terminal scrollback are read by
             # more people than should hold an admin key (docs/guarantees.md).
-            click.echo(f"try, with KEY set to that key: curl -s -X POST "
-                       f"http://{host}:{self.settings.port}/v1/runs "
-                       "-H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' "
-                       "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
+            self.say(f"try, with KEY set to that key: curl -s -X POST "
+                     f"http://{host}:{self.settings.port}/v1/runs "
+                     "-H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' "
+                     "-d '{\"task\": \"chat\", \"input\": {\"text\": \"hi\"}}'")
         sys.stdout.flush()
 
     def _stop(self) -> None:
@@ -125,38 +180,66 @@ class Supervisor:
                     pass
 
     def run(self) -> int:
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(levelname)s [supervisor] %(message)s")
+        logs.configure(self.settings.log_format, node=self.settings.node_id,
+                       text_format="%(asctime)s %(levelname)s [supervisor] %(message)s")
         lock = NodeLock(self.settings.data_dir, self.settings.node_id).acquire()
+        metrics_dir = None
         try:
-            migrations.migrate(self.settings.ledger_path, synchronous=self.settings.synchronous,
-                               busy_timeout_ms=self.settings.busy_timeout_ms)
-            conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous)
-            try:
-                generation = nodes.boot(conn, self.settings.node_id)
-            finally:
-                conn.close()
-            self.signals = StopSignals()
-            filemodes.warn_loose(self.settings.data_dir)
-            registry.load(self.settings.tasks)  # recovery needs each task's on_crash
-            # Built now, so a schedule that cannot be admitted stops the start (exit 2).
-            scheduler = Scheduler(self.settings, registry.schedules())
-            # The web starts first and answers /readyz 503 until the barrier opens; no
-            # worker process exists before this boot's recovery has finished.
-            self._start(self.plan_web())
-            try:
-                reconcile.boot(self.settings, generation)
-            except Exception as exc:  # noqa: BLE001 - reported, then the node stops
-                # No worker may start without this boot's recovery; stop what runs.
-                click.echo(f"runstile: boot recovery failed: {exc}", err=True)
-                self._stop()
-                self._watch()
-                return 1
-            if self.signals.received:
-                return self._watch()  # stopped during boot: no worker starts
-            return self._serve(generation, scheduler)
+            if self.web:
+                # Before a ledger, a key or a line: a port taken is a usage error.
+                check_port_free(self.settings.host, self.settings.port)
+            metrics_dir = share_metrics(self.settings)
+            return self._run_locked()
         finally:
             lock.release()
+            if metrics_dir is not None:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _boot_generation(self) -> int:
+        migrations.migrate(self.settings.ledger_path, synchronous=self.settings.synchronous,
+                           busy_timeout_ms=self.settings.busy_timeout_ms)
+        conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous)
+        try:
+            return nodes.boot(conn, self.settings.node_id)
+        finally:
+            conn.close()
+
+    def _run_locked(self) -> int:
+        generation = self._boot_generation()
+        self.signals = StopSignals()
+        filemodes.warn_loose(self.settings.data_dir)
+        registry.load(self.settings.tasks)  # recovery needs each task's on_crash
+        # Built now, so a schedule that cannot be admitted stops the start (exit 2).
+        scheduler = Scheduler(self.settings, registry.schedules())
+        # The web starts first and answers /readyz 503 until the barrier opens; no
+        # worker process exists before this boot's recovery has finished.
+        self._start(self.plan_web())
+        try:
+            reconcile.boot(self.settings, generation)
+        except Exception as exc:  # noqa: BLE001 - reported, then the node stops
+            # No worker may start without this boot's recovery; stop what runs.
+            self.say(f"runstile: boot recovery failed: {exc}", err=True, level="ERROR")
+            self._stop()
+            self._watch()
+            return 1
+        if self.signals.received:
+            return self._watch()  # stopped during boot: no worker starts
+        return self._serve(generation, scheduler)
+
+    def _web_listening(self) -> bool:
+        """Wait until the web child accepts connections on its port (True), or exits
+        (False)."""
+        web = self.children[0].started()
+        host = _connect_host(self.settings.host)
+        while web.poll() is None:
+            try:
+                socket.create_connection((host, self.settings.port), timeout=1).close()
+                return True
+            except OSError:
+                time.sleep(WATCH_S)
+            if self.signals is not None and self.signals.received:
+                return False
+        return False
 
     def _serve(self, generation: int, scheduler: Scheduler) -> int:
         """After the boot's recovery: the workers, scheduled recovery and the scheduler,
@@ -166,13 +249,20 @@ class Supervisor:
                          name="runstile-recovery", daemon=True).start()
         # After the barrier, like every consumer (docs/architecture.md, "The scheduler").
         scheduler.start()
-        if self.web:
-            self.bootstrap(generation)
-        else:
-            click.echo(f"runstile workers up: node {self.settings.node_id}, generation "
-                       f"{generation}, {self.settings.workers} processes x "
-                       f"{self.settings.threads} threads")
         try:
+            if not self.web:
+                self.say(f"runstile workers up: node {self.settings.node_id}, generation "
+                         f"{generation}, {self.settings.workers} processes x "
+                         f"{self.settings.threads} threads")
+            elif not self._web_listening():
+                # The URL and a key are printed only for a web tier that listens.
+                self.say(f"runstile: the web tier could not listen on {self.settings.host}:"
+                         f"{self.settings.port}; stopping", err=True, level="ERROR")
+                self._stop()
+                self._watch()
+                return 2
+            else:
+                self.bootstrap(generation)
             return self._watch()
         finally:
             scheduler.stop()
@@ -187,7 +277,7 @@ class Supervisor:
                 reconcile.run_pass(self.settings, generation=generation, trigger="scheduled")
             except Exception as exc:  # noqa: BLE001 - reported; the next pass tries again
                 # A failed pass must never take the node down.
-                click.echo(f"runstile: scheduled recovery failed: {exc}", err=True)
+                self.say(f"runstile: scheduled recovery failed: {exc}", err=True, level="ERROR")
 
     def _watch(self) -> int:
         signals = self.signals
@@ -200,7 +290,8 @@ class Supervisor:
             for child in self.children:
                 code = child.started().poll()
                 if code is not None:
-                    click.echo(f"runstile: {child.name} exited with {code}; stopping", err=True)
+                    self.say(f"runstile: {child.name} exited with {code}; stopping", err=True,
+                             level="ERROR")
                     failed = True
                     self._stop()
                     break
@@ -221,4 +312,5 @@ class Supervisor:
         try:
             maintenance.fold_wal(self.settings.ledger_path)
         except Exception as exc:  # noqa: BLE001 - reported; the WAL stays valid either way
-            click.echo(f"runstile: could not fold the WAL into the ledger: {exc}", err=True)
+            self.say(f"runstile: could not fold the WAL into the ledger: {exc}", err=True,
+                     level="ERROR")

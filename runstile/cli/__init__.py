@@ -5,7 +5,8 @@ testable in-process; ``cli`` is the root click group.  The commands live by grou
 ``serve`` (up, serve, worker, recover), ``keys`` (keys …, webhooks secret), ``db``,
 ``deliveries``, ``schedules`` and ``runs`` (the HTTP client); ``options`` holds what they share.
 
-Every subcommand takes ``--data-dir`` and ``--tasks`` after its name.  ``--json`` prints
+Every subcommand that may open a ledger takes ``--data-dir`` and ``--tasks`` after its
+name; the ``runs`` commands only speak HTTP and take neither.  ``--json`` prints
 one JSON object on the last line of stdout; it is taken by every ``keys``, ``db``,
 ``deliveries``, ``schedules`` and ``runs`` command and by ``recover``, and by no other (not ``up``,
 ``serve``, ``worker`` or ``webhooks secret``).  Exit codes: 0 ok, 1 failure, 2 usage.

@@ -41,7 +41,7 @@ def keys_create(settings, profile, label, admin, as_json):
     if label is not None and len(label) > 200:
         raise click.BadParameter("at most 200 characters", param_hint="--label")
     role = "admin" if admin else "client"
-    conn = _ledger(settings)
+    conn = _ledger(settings, create=True)
     key_id, secret = ledger_keys.create(conn, profile, label=label, role=role)
     if as_json:
         _emit_json(_key_json(key_id, secret, profile, role))

@@ -2,8 +2,9 @@
 
 Each repeated option stack is one decorator here, so a command names it once and its
 help text is written once: ``settings_options`` (``--data-dir``, ``--tasks``, turned into
-``settings``), ``json_option`` (``--json``), ``client_options`` (those two plus ``--url``
-and ``--api-key``, turned into a ``Client``), ``listen_options`` (``--host``, ``--port``),
+``settings``), ``json_option`` (``--json``), ``client_options`` (``--url`` and
+``--api-key``, turned into a ``Client``), ``client_or_ledger_options`` (all four: HTTP
+with a key, else the local ledger), ``listen_options`` (``--host``, ``--port``),
 ``pool_options`` (``--workers``, ``--threads``) and ``web_workers_option``.  A decorator
 adds its options where it stands in a command's stack, so ``--help`` lists them in that
 order.
@@ -53,26 +54,43 @@ def json_option(fn=None, *, help: str = "Print one JSON object."):
 
 
 def client_options(fn):
-    """Add --data-dir, --tasks, --url and --api-key to a `runs` command and hand it a
-    ``Client``.
+    """Add --url and --api-key to a `runs` command and hand it a ``Client``.
 
-    The settings are built (an invalid ``RUNSTILE_*`` value is a usage error, as for every
-    command) and not used: `runs` never opens the ledger.  An API error ends the command
-    with exit 1 and ``error: <code>: <message>``.
+    No --data-dir or --tasks: `runs` only speaks HTTP and never opens the ledger.  An API
+    error ends the command with exit 1 and ``error: <code>: <message>``.
     """
-    return settings_options(_client(fn))
+    return _http_options(_with_client(fn, local=False))
 
 
-def _client(fn):
-    # --url and --api-key are read once, by click, from flags or env.
-    @click.option("--url", envvar="RUNSTILE_URL", default="http://127.0.0.1:8000",
-                  show_default=True, help="Server URL [env RUNSTILE_URL].")
-    @click.option("--api-key", envvar="RUNSTILE_API_KEY", default=None,
-                  help="API key [env RUNSTILE_API_KEY].")
+def client_or_ledger_options(fn):
+    """--url and --api-key beside --data-dir and --tasks (``deliveries``): with an API
+    key (flag or RUNSTILE_API_KEY) the command goes over HTTP and gets a ``Client`` as
+    ``client`` (``settings`` None); without one it gets ``settings`` for the local ledger
+    (``client`` None)."""
+    inner = _with_client(fn, local=True)
+
     @functools.wraps(fn)
-    def wrapper(settings, *args, url, api_key, **kwargs):
+    def wrapper(settings, *args, **kwargs):
+        return inner(*args, settings=settings, **kwargs)
+
+    return settings_options(_http_options(wrapper))
+
+
+def _http_options(fn):
+    # --url and --api-key are read once, by click, from flags or env.
+    fn = click.option("--api-key", envvar="RUNSTILE_API_KEY", default=None,
+                      help="API key [env RUNSTILE_API_KEY].")(fn)
+    return click.option("--url", envvar="RUNSTILE_URL", default="http://127.0.0.1:8000",
+                        show_default=True, help="Server URL [env RUNSTILE_URL].")(fn)
+
+
+def _with_client(fn, *, local: bool):
+    @functools.wraps(fn)
+    def wrapper(*args, url, api_key, settings=None, **kwargs):
         from ..client import Client
         from ..errors import ApiError
+        if local and not api_key:
+            return fn(*args, client=None, settings=settings, **kwargs)
         if not api_key:
             raise click.UsageError("an API key is needed: --api-key or RUNSTILE_API_KEY "
                                    "(`runstile keys create` makes one)")
@@ -81,6 +99,8 @@ def _client(fn):
         except ValueError as exc:  # a URL that is not http(s), a malformed key
             raise click.UsageError(str(exc)) from None
         try:
+            if local:
+                return fn(*args, client=client, settings=None, **kwargs)
             return fn(client, *args, **kwargs)
         except ApiError as exc:
             _fail(f"{exc.code}: {exc.message}")
@@ -120,12 +140,19 @@ def _fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-def _ledger(settings: Settings):
+def _ledger(settings: Settings, *, create: bool = False):
     """Migrate (once, at start) and open a connection; what its commits owe (a re-armed
     delivery's message) is paid as in a server process (docs/architecture.md, "What a
-    commit owes")."""
+    commit owes").
+
+    Only ``create`` (up, serve, worker, db migrate, keys create) makes a ledger that does
+    not exist: any other command would make an empty one beside the real one (a wrong
+    --data-dir, another working directory) and report on it as if all were well."""
     from ..dispatch import Dispatcher
     from ..ledger import migrations
+    if not create and not settings.ledger_path.exists():
+        _fail(f"no ledger at {settings.ledger_path} (give the --data-dir of a runstile "
+              "that has run, or RUNSTILE_DATA_DIR)")
     migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
                        busy_timeout_ms=settings.busy_timeout_ms)
     return Dispatcher(settings).pool().get()

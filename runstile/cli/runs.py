@@ -1,7 +1,8 @@
 """``runstile runs …``: an HTTP client of a running server, on ``runstile.Client``.
 
-Submit, read, list, watch, stop, approve, resume and retry runs over the API (docs/api.md,
-"Command line: `runstile runs`"); these commands never open the ledger.  ``--url`` and
+Submit, read, list, watch, stop, approve, resume and retry runs, and read their step
+journal, over the API (docs/api.md, "Command line: `runstile runs`"); these commands
+never open the ledger, and take no --data-dir or --tasks.  ``--url`` and
 ``--api-key`` come from ``options.client_options``.  ``runstile.cli`` adds the group to
 the root command.
 """
@@ -67,6 +68,12 @@ def _show_run(run: dict, as_json: bool) -> None:
         click.echo(f"  error:       {run['error']['code']}: {run['error']['message']}")
     if run.get("recovery"):
         click.echo(f"  recovery:    {json.dumps(run['recovery'])}")
+    approval = run.get("approval")
+    if approval and approval.get("decision") is None:
+        click.echo(f"  approval:    {approval['approval_id']} pending  "
+                   f"{json.dumps(approval.get('details'))}")
+        click.echo(f"  decide with: runstile runs approve {run['id']} "
+                   f"{approval['approval_id']} --decision approve|deny")
 
 
 def _outcome(run: dict) -> int:
@@ -113,6 +120,17 @@ def runs() -> None:
     """Submit, read, watch and control runs on a server (an HTTP client)."""
 
 
+def _metadata(ctx, param, values):
+    """--metadata K=V, repeatable, into the run's metadata object."""
+    metadata = {}
+    for value in values:
+        name, sep, text = value.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE")
+        metadata[name] = text
+    return metadata or None
+
+
 @runs.command("submit")
 @client_options
 @click.argument("task")
@@ -120,18 +138,39 @@ def runs() -> None:
               help="The task's input as JSON (or @FILE, or - for stdin).")
 @click.option("--key", "idempotency_key", default=None,
               help="Idempotency-Key [default: a new uuid4, reused by the client's retries].")
+@click.option("--run-id", default=None, help="Your own run id: run_ + 32 lowercase hex.")
 @click.option("--session-key", default=None, help="Run one at a time with this session.")
-@click.option("--wait", is_flag=True, help="Wait for the run to end; exit 0 only if completed.")
+@click.option("--metadata", "metadata", multiple=True, callback=_metadata, metavar="K=V",
+              help="A label of the run (repeatable), filterable in lists.")
+@click.option("--callback-url", default=None,
+              help="Where the result (and notices) are delivered as webhooks.")
+@click.option("--delay", "delay_s", type=click.FloatRange(0), default=None,
+              help="Start no sooner than this many seconds from now.")
+@click.option("--priority", type=click.IntRange(0, 9), default=None,
+              help="0-9, higher starts first [server default 5].")
+@click.option("--wait", is_flag=True, help="Wait for the run to end (live progress on a "
+                                           "terminal); exit 0 only if completed.")
 @json_option
-def runs_submit(client, task, input_, idempotency_key, session_key, wait, as_json):
+def runs_submit(client, task, input_, idempotency_key, run_id, session_key, metadata,
+                callback_url, delay_s, priority, wait, as_json):
     """Admit a run of TASK; safe to repeat with the same --key."""
-    run = client.submit(task, input_, idempotency_key=idempotency_key, session_key=session_key)
+    run = client.submit(task, input_, idempotency_key=idempotency_key, run_id=run_id,
+                        session_key=session_key, metadata=metadata, callback_url=callback_url,
+                        delay_s=delay_s, priority=priority)
     if not wait:
         _show_run(run, as_json)
         return
     if not as_json:
         click.echo(_run_line(run))
-    final = client.wait(run["id"])
+    if not as_json and sys.stdout.isatty():
+        # On a terminal, the run's events as they happen (as `runs watch` shows them).
+        view = _Watch()
+        for event in client.events(run["id"]):
+            view.show(event)
+        view.end_text()
+        final = client.get(run["id"])
+    else:
+        final = client.wait(run["id"])
     _show_run(final, as_json)
     sys.exit(_outcome(final))
 
@@ -172,6 +211,24 @@ def runs_list(client, statuses, task_name, session_key, limit, cursor, every, as
         click.echo(f"{run['id']}  {run['status']:<9} {run['task']:<16} {run['created_at']}")
     if page.get("has_more"):
         click.echo(f"more: --cursor {page['next_cursor']}")
+
+
+@runs.command("steps")
+@client_options
+@click.argument("run_id")
+@json_option
+def runs_steps(client, run_id, as_json):
+    """Show a run's step journal, in call order."""
+    page = client.steps(run_id)
+    if as_json:
+        _emit_json(page)
+        return
+    for s in page["data"]:
+        result = json.dumps(s["result"], separators=(",", ":"))
+        click.echo(f"{s['position']:>4} {s['name']:<24} {s['state']:<9} attempt {s['attempt']}"
+                   f"{'  idempotent' if s['idempotent'] else ''}  {result[:200]}")
+    if not page["data"]:
+        click.echo("no steps")
 
 
 @runs.command("watch")

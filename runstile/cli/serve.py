@@ -44,11 +44,17 @@ def serve(settings, host, port, web_workers, web_threads):
     settings = _host_port(settings, host, port).replace(
         web_workers=web_workers or settings.web_workers,
         web_threads=web_threads or settings.web_threads)
+    from .. import logs
     from ..web.server import run_gunicorn
-    _ledger(settings).close()
+    logs.configure(settings.log_format, node=settings.node_id,
+                   text_format="%(asctime)s %(levelname)s [serve] %(message)s")
+    _ledger(settings, create=True).close()
     filemodes.warn_loose(settings.data_dir)
-    click.echo(f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
-               f"(ledger {settings.ledger_path})", err=True)
+    banner = (f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
+              f"(ledger {settings.ledger_path})")
+    if settings.log_format == "json":
+        banner = logs.json_line(banner, node=settings.node_id, logger="runstile.serve")
+    click.echo(banner, err=True)
     run_gunicorn(settings)
 
 
@@ -94,12 +100,14 @@ def recover(settings, as_json):
     """One recovery pass now (for cron); never bumps a node generation."""
     import logging
 
+    from .. import logs
     from .. import tasks as registry
     from ..ledger import db as ledger_db
     from ..ledger import recovery as ledger_recovery
     from ..recovery import reconcile
-    logging.basicConfig(level=logging.INFO if not as_json else logging.WARNING,
-                        format="%(asctime)s %(levelname)s [recover] %(message)s")
+    logs.configure(settings.log_format, node=settings.node_id,
+                   level=logging.INFO if not as_json else logging.WARNING,
+                   text_format="%(asctime)s %(levelname)s [recover] %(message)s")
     registry.load(settings.tasks)
     _ledger(settings).close()
     conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)

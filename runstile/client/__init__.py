@@ -69,16 +69,18 @@ class Client(HttpApi):
     def submit(self, task: str | None, input: Any = None, *, idempotency_key: str | None = None,
                run_id: str | None = None, session_key: str | None = None,
                trigger_id: str | None = None, callback_url: str | None = None,
-               metadata: dict[str, str] | None = None, priority: int | None = None) -> dict:
+               metadata: dict[str, str] | None = None, priority: int | None = None,
+               delay_s: float | None = None) -> dict:
         """Admit a run (``POST /v1/runs``); returns the run object with ``replayed``.
         ``priority`` (0-9) is sent only when given: without it the server's default, 5.
+        ``delay_s``: start no sooner than that many seconds from now.
 
         Without ``idempotency_key`` a uuid4 is generated; every retry of this call sends
         the same key, so the server admits at most one run for it.
         """
         body = {"task": task, "input": input, "run_id": run_id, "session_key": session_key,
                 "trigger_id": trigger_id, "callback_url": callback_url, "metadata": metadata,
-                "priority": priority}
+                "priority": priority, "delay_s": delay_s}
         payload = json.dumps({k: v for k, v in body.items() if v is not None},
                              separators=(",", ":"), allow_nan=False).encode()
         key = idempotency_key if idempotency_key is not None else str(uuid.uuid4())
@@ -107,6 +109,28 @@ class Client(HttpApi):
             if not page.get("has_more") or not page.get("next_cursor"):
                 return
             filters["cursor"] = page["next_cursor"]
+
+    def steps(self, run_id: str) -> dict:
+        """The run's step journal (``GET /v1/runs/<id>/steps``)."""
+        return self._call("GET", f"/v1/runs/{quote(run_id)}/steps")
+
+    def deliveries(self, run_id: str | None = None, **filters: Any) -> dict:
+        """A run's delivery obligations (``GET /v1/runs/<id>/deliveries``), or without
+        ``run_id`` those of every run the key may see (``GET /v1/deliveries``; filters
+        ``state`` (one or several), ``limit``, ``cursor``)."""
+        if run_id is not None:
+            return self._call("GET", f"/v1/runs/{quote(run_id)}/deliveries")
+        return self._call("GET", "/v1/deliveries", query=_list_query(filters))
+
+    def retry_delivery(self, delivery_id: str) -> dict:
+        """Re-arm a parked delivery (``POST /v1/deliveries/<id>/retry``); repeats are
+        harmless."""
+        return self._call("POST", f"/v1/deliveries/{quote(delivery_id)}/retry")
+
+    def discard_delivery(self, delivery_id: str) -> dict:
+        """Settle a delivery for good (``POST /v1/deliveries/<id>/discard``); repeats
+        are harmless."""
+        return self._call("POST", f"/v1/deliveries/{quote(delivery_id)}/discard")
 
     def stop(self, run_id: str) -> dict:
         """Ask a run to stop (``POST /v1/runs/<id>/stop``); returns the run object.

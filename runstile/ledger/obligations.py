@@ -17,6 +17,7 @@ guarded UPDATEs below, each reporting whether it won:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import sqlite3
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ListQueryTimeout
 from . import db, events
 from .db import NOW
 
@@ -65,6 +67,64 @@ def run_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
     with db.ledger_errors():
         row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
     return None if row is None else dict(row)
+
+
+STATES = ("pending", "attempting", "delivered", "parked", "discarded")
+#: The states an operator watches: what is still owed (docs/operations.md, "Metrics").
+BACKLOG_STATES = ("pending", "attempting", "parked")
+
+
+def list_visible(conn: sqlite3.Connection, scope: tuple[str, tuple[str, ...]], *,
+                 states: Sequence[str], before: int | None, limit: int,
+                 timeout_s: float | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """Obligations of the runs ``scope`` (``runs.visible_clause``) may see, newest first,
+    keyset-paged on rowid (an insert while a client pages gets a larger one, so pages
+    never repeat or skip); ``states`` empty means every state.  Also returns has_more.
+
+    The table has no INTEGER PRIMARY KEY, so its rowid is insertion order; only VACUUM
+    could renumber it, and nothing runs VACUUM on a ledger (a backup copies pages).
+    Past ``timeout_s`` the query stops (ListQueryTimeout), as a runs list does."""
+    where, args = scope
+    clauses, params = [f"run_id IN (SELECT id FROM runs WHERE {where})"], list[object](args)
+    if states:
+        clauses.append(f"state IN ({', '.join('?' for _ in states)})")
+        params += list(states)
+    if states and all(s in BACKLOG_STATES for s in states):
+        # What is still owed: read from the obligations_unsettled partial index (this
+        # clause is its WHERE), never a walk of every delivered obligation.
+        clauses.append("state NOT IN ('delivered', 'discarded')")
+    if before is not None:
+        clauses.append("rowid < ?")
+        params.append(before)
+    sql = (f"SELECT rowid AS page_seq, * FROM obligations WHERE {' AND '.join(clauses)} "
+           "ORDER BY rowid DESC LIMIT ?")
+    limited = contextlib.nullcontext() if timeout_s is None else db.time_limit(
+        conn, timeout_s, lambda: ListQueryTimeout(
+            f"the delivery list query ran past its limit of {timeout_s * 1000:g} ms and "
+            "was stopped; narrow it (state) or lower limit"))
+    with limited, db.ledger_errors():
+        rows = conn.execute(sql, (*params, limit + 1)).fetchall()
+    return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+
+def list_all(conn: sqlite3.Connection, *, states: Sequence[str],
+             limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """Every run's obligations, newest first (``runstile deliveries list`` on the local
+    ledger: an operator sees every profile)."""
+    return list_visible(conn, ("1 = 1", ()), states=states, before=None, limit=limit)
+
+
+def backlog(conn: sqlite3.Connection) -> dict[str, int]:
+    """Obligations not yet settled, by state, node-wide (the metrics gauge).  The WHERE clause is
+    obligations_unsettled's own, so SQLite reads that partial index, never the history.
+    """
+    counts = dict.fromkeys(BACKLOG_STATES, 0)
+    with db.ledger_errors():
+        for state, n in conn.execute(
+                "SELECT state, COUNT(*) FROM obligations "
+                "WHERE state NOT IN ('delivered', 'discarded') GROUP BY state").fetchall():
+            counts[state] = n
+    return counts
 
 
 def unsent(conn: sqlite3.Connection, *, run_ids: Sequence[str] | None = None,

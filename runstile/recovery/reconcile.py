@@ -33,6 +33,7 @@ from ..ledger import (
     slots,
 )
 from ..ledger.runs import Enqueue
+from . import metrics
 
 log = logging.getLogger("runstile.recovery")
 
@@ -142,6 +143,7 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
     # RUNSTILE_RECOVERY_INTERVAL_S (8,640 a day) saying nothing.  Boot and `runstile
     # recover` passes always say what they did.
     counts = report.as_dict()["counts"]
+    metrics.observe_pass(trigger, report.duration_s, counts)
     level = logging.DEBUG if trigger == "scheduled" and not counts else logging.INFO
     log.log(level, "recovery (%s, generation %d): %s in %.3fs", trigger, generation,
             counts or "nothing to do", report.duration_s)

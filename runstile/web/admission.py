@@ -317,6 +317,10 @@ def _key(header_key: str | None, run_id: str | None) -> tuple[str | None, bool]:
     return None, False
 
 
+#: Task names an unknown_task message lists (GET /v1/capabilities lists every one).
+MAX_LISTED_TASKS = 20
+
+
 def _refusal(callback_url: str | None, task: str, task_names: Collection[str],
              allowlist: tuple[str, ...]) -> RunstileError | None:
     """What refuses a *new* run (a replay still answers): a callback URL delivery would
@@ -325,7 +329,12 @@ def _refusal(callback_url: str | None, task: str, task_names: Collection[str],
     if reason is not None:
         return InvalidCallbackUrl(reason, field="callback_url")
     if task not in task_names:
-        return UnknownTask(f"no task named {task!r} is registered", field="task")
+        known = ", ".join(sorted(task_names)[:MAX_LISTED_TASKS]) or "none"
+        more = f" and {len(task_names) - MAX_LISTED_TASKS} more" \
+            if len(task_names) > MAX_LISTED_TASKS else ""
+        return UnknownTask(f"no task named {task!r} is registered; registered: "
+                           f"{known}{more} (GET /v1/capabilities lists them)"[:1000],
+                           field="task")
     return None
 
 

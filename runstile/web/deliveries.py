@@ -1,6 +1,7 @@
 """Delivery obligations over HTTP (docs/api.md, "Deliveries (webhooks)").
 
-``GET /v1/runs/<id>/deliveries`` lists a run's obligations; a person re-arms a parked
+``GET /v1/runs/<id>/deliveries`` lists a run's obligations, ``GET /v1/deliveries`` those
+of every run the key may see (by state, newest first, paged); a person re-arms a parked
 one (``POST /v1/deliveries/<id>/retry``) or settles it for good (``…/discard``).  An
 obligation is visible exactly when its run is (404 otherwise, never 403).
 """
@@ -9,13 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 
-from ..errors import DeliveryInFlight, DeliveryNotFound, DeliverySettled, RunNotFound
+from ..errors import (
+    DeliveryInFlight,
+    DeliveryNotFound,
+    DeliverySettled,
+    InvalidRequest,
+    RunNotFound,
+)
 from ..ledger import obligations, runs
 from ..objects import delivery_object
 from .auth import authenticate, principal
-from .state import conn
+from .runs import decode_cursor, encode_cursor
+from .state import conn, state
 
 blueprint = Blueprint("deliveries", __name__)
 
@@ -32,6 +40,35 @@ def list_deliveries(run_id: str) -> Response:
     rows = obligations.for_run(conn(), run_id)
     return jsonify({"object": "list", "data": [delivery_object(r) for r in rows],
                     "has_more": False, "next_cursor": None})
+
+
+_LIST_PARAMS = {"state", "limit", "cursor"}
+
+
+@blueprint.get("/v1/deliveries")
+def list_all_deliveries() -> Response:
+    """The obligations of every run the key may see, newest first: ``state`` repeatable
+    (none: every state), ``limit`` and ``cursor`` as for GET /v1/runs."""
+    for name in request.args:
+        if name not in _LIST_PARAMS:
+            raise InvalidRequest(f"unknown query parameter {name!r}", field=name)
+    states = tuple(request.args.getlist("state"))
+    if any(s not in obligations.STATES for s in states):
+        raise InvalidRequest("state must be one of " + ", ".join(obligations.STATES),
+                             field="state")
+    raw_limit = request.args.get("limit", "20")
+    limit = int(raw_limit) if raw_limit.isascii() and raw_limit.isdigit() and \
+        len(raw_limit) <= 3 else 0
+    if not 1 <= limit <= 200:
+        raise InvalidRequest("limit must be a whole number from 1 to 200", field="limit")
+    cursor = request.args.get("cursor")
+    rows, has_more = obligations.list_visible(
+        conn(), runs.visible_clause(principal()), states=states, limit=limit,
+        before=None if cursor is None else decode_cursor(cursor),
+        timeout_s=state().settings.list_query_timeout_ms / 1000)
+    return jsonify({"object": "list", "data": [delivery_object(r) for r in rows],
+                    "has_more": has_more,
+                    "next_cursor": encode_cursor(rows[-1]["page_seq"]) if has_more else None})
 
 
 def _visible(delivery_id: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from .. import __version__
 from ..ledger.approvals import DECISIONS
+from ..ledger.obligations import STATES as DELIVERY_STATES
 from . import admission
 from .openapi_components import STATUSES as _STATUSES
 from .openapi_components import TEXT as _TEXT
@@ -136,6 +137,11 @@ def _run_paths() -> JSONObject:
             "responses": {"200": _json("Run", "the run"), "404": _error("run_not_found"),
                           **_AUTH_ERRORS}}},
         "/v1/runs/{run_id}/events": {"get": _run_events()},
+        "/v1/runs/{run_id}/steps": {"get": {
+            "operationId": "runSteps", "summary": "The run's step journal, in call order",
+            "parameters": [_RUN_ID_PARAM],
+            "responses": {"200": _json("StepList", "the run's steps"),
+                          "404": _error("run_not_found"), **_AUTH_ERRORS}}},
     }
 
 
@@ -201,6 +207,20 @@ def _delivery_paths() -> JSONObject:
             "parameters": [_RUN_ID_PARAM],
             "responses": {"200": _json("DeliveryList", "the run's obligations"),
                           "404": _error("run_not_found"), **_AUTH_ERRORS}}},
+        "/v1/deliveries": {"get": {
+            "operationId": "listAllDeliveries",
+            "summary": "Delivery obligations of every run the key may see, newest first",
+            "parameters": [
+                {"name": "state", "in": "query", "required": False, "style": "form",
+                 "explode": True, "description": "repeatable; none: every state",
+                 "schema": {"type": "array", "items": {"enum": list(DELIVERY_STATES)}}},
+                _query("limit", {"type": "integer", "minimum": 1, "maximum": 200,
+                                 "default": 20}, ""),
+                _query("cursor", _TEXT, "next_cursor of the previous page")],
+            "responses": {"200": _json("DeliveryList", "one page"),
+                          "400": _error("invalid_request"), **_AUTH_ERRORS,
+                          "503": _error("run_storage_unavailable, or list_query_timeout "
+                                        "(Retry-After)")}}},
         "/v1/deliveries/{delivery_id}/retry": {"post": {
             "operationId": "retryDelivery",
             "summary": "Re-arm a parked delivery with fresh attempts",
@@ -253,7 +273,9 @@ def _service_paths() -> JSONObject:
         "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus text",
                              "security": [],
                              "responses": {"200": {"description": "metrics", "content": {
-                                 "text/plain": {"schema": {"type": "string"}}}}}}},
+                                 "text/plain": {"schema": {"type": "string"}}}},
+                                 "401": _error("RUNSTILE_METRICS_TOKEN is set and the "
+                                               "request's bearer token is not it")}}},
         "/openapi.json": {"get": {
             "operationId": "openapi", "summary": "This document",
             "responses": {"200": _any_object("OpenAPI 3.1"),

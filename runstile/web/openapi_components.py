@@ -150,8 +150,25 @@ def delivery_schema() -> JSONObject:
     }
 
 
+def step_schema() -> JSONObject:
+    return {
+        "type": "object",
+        "required": ["position", "name", "state", "idempotent", "attempt", "started_at",
+                     "finished_at", "result"],
+        "properties": {
+            "position": {"type": "integer", "minimum": 1}, "name": TEXT,
+            "state": {"enum": ["started", "completed", "failed"]},
+            "idempotent": {"type": "boolean"}, "attempt": {"type": "integer", "minimum": 1},
+            "started_at": TIME, "finished_at": TIME, "result": {},
+        },
+    }
+
+
 def schemas() -> JSONObject:
     return {"Error": error_schema(), "RunCreate": run_create_schema(), "Run": run_schema(),
             "RunList": list_of("Run"), **event_schemas(), "Delivery": delivery_schema(),
-            "DeliveryList": list_of("Delivery"),
+            "DeliveryList": list_of("Delivery"), "Step": step_schema(),
+            "StepList": {"type": "object", "required": ["object", "data"],
+                         "properties": {"object": {"const": "list"}, "data": {
+                             "type": "array", "items": {"$ref": "#/components/schemas/Step"}}}},
             "Capabilities": {"type": "object"}, "Health": {"type": "object"}}

@@ -12,10 +12,10 @@ from flask import Blueprint, Response, jsonify, request
 
 from .. import crashpoints, dispatch
 from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunNotRetryable, RunstileError
-from ..ledger import events, execution, runs
+from ..ledger import events, execution, journal, runs
 from ..ledger.admission import AdmissionRequest, Admitted, admit
 from ..ledger.states import RETRYABLE, RunStatus
-from ..objects import event_object, parse_rfc3339, run_object
+from ..objects import event_object, parse_rfc3339, run_object, step_object
 from . import admission, metrics, openapi, streams
 from .auth import authenticate, principal
 from .state import conn, state
@@ -69,6 +69,8 @@ def create_run() -> Response:
                                        settings=web.settings, task_names=web.task_names)
         admitted = _admit(web, req, refusal)
         outcome = "replayed" if admitted.replayed else "created"
+        if not admitted.replayed:
+            metrics.observe_admitted(admitted.run["task"])
     except RunstileError as exc:
         outcome = exc.code
         raise
@@ -178,7 +180,10 @@ def retry(run_id: str, key: str | None) -> Admitted:
                               run_status=original["status"])
     req, refusal = admission.build_retry(original, principal(), key, settings=web.settings,
                                          task_names=web.task_names)
-    return _admit(web, req, refusal)
+    admitted = _admit(web, req, refusal)
+    if not admitted.replayed:
+        metrics.observe_admitted(admitted.run["task"])
+    return admitted
 
 
 @blueprint.get("/v1/runs/<run_id>")
@@ -186,11 +191,19 @@ def get_run(run_id: str) -> Response:
     return jsonify(run_object(visible_run(run_id)))
 
 
-def _encode_cursor(seq: int) -> str:
+@blueprint.get("/v1/runs/<run_id>/steps")
+def run_steps(run_id: str) -> Response:
+    """The run's step journal in call order (docs/api.md, "GET /v1/runs/{run_id}/steps")."""
+    visible_run(run_id)
+    return jsonify({"object": "list",
+                    "data": [step_object(r) for r in journal.steps(conn(), run_id)]})
+
+
+def encode_cursor(seq: int) -> str:
     return base64.urlsafe_b64encode(f"v1:{seq}".encode()).decode().rstrip("=")
 
 
-def _decode_cursor(text: str) -> int:
+def decode_cursor(text: str) -> int:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
         version, _, seq = raw.partition(":")
@@ -244,13 +257,13 @@ def list_runs() -> Response:
     if limit is None or not 1 <= limit <= 200:
         raise InvalidRequest("limit must be a whole number from 1 to 200", field="limit")
     cursor = request.args.get("cursor")
-    before = None if cursor is None else _decode_cursor(cursor)
+    before = None if cursor is None else decode_cursor(cursor)
     rows, has_more = runs.list_visible(
         conn(), principal(), flt, before_seq=before, limit=limit,
         timeout_s=state().settings.list_query_timeout_ms / 1000)
     return jsonify({"object": "list", "data": [run_object(r) for r in rows],
                     "has_more": has_more,
-                    "next_cursor": _encode_cursor(rows[-1]["seq"]) if has_more else None})
+                    "next_cursor": encode_cursor(rows[-1]["seq"]) if has_more else None})
 
 
 def _after_param() -> int:

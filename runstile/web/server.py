@@ -10,12 +10,17 @@ ledger connection crosses a fork (docs/architecture.md, "The web tier").
 from __future__ import annotations
 
 import shutil
-import tempfile
 from typing import TYPE_CHECKING
 
 from gunicorn.app.base import BaseApplication
 
-from ..config import Settings, share_metrics_across_processes
+from .. import logs
+from ..config import (
+    Settings,
+    new_metrics_folder,
+    share_metrics_across_processes,
+    shared_metrics_folder,
+)
 from ..filemodes import PRIVATE_UMASK
 from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
@@ -64,9 +69,14 @@ class _Gunicorn(BaseApplication):
             "child_exit": self._child_exit,
         }.items():
             self.cfg.set(name, value)
+        if s.log_format == "json":
+            self.cfg.set("logconfig_dict", logs.gunicorn_config(s.node_id))
 
     def load(self) -> Flask:
         from . import create_app
+        # After fork, in each web process: the app's own lines, in RUNSTILE_LOG_FORMAT.
+        logs.configure(self.settings.log_format, node=self.settings.node_id,
+                       text_format="%(asctime)s %(levelname)s [web %(process)d] %(message)s")
         return create_app(self.settings, writer_socket=self.writer_socket,
                           metrics_dir=self.metrics_dir)
 
@@ -83,7 +93,10 @@ def run_gunicorn(settings: Settings) -> None:
     that touches a new page on a full filesystem dies of SIGBUS — a full ledger disk
     must cost 503s, not web processes killed as fast as gunicorn can fork them.
     """
-    metrics_dir = tempfile.mkdtemp(prefix="runstile-metrics-")
+    # Under ``runstile up`` the supervisor made the folder for the whole node (web and
+    # workers); it, or an operator's PROMETHEUS_MULTIPROC_DIR, is used and kept as it is.
+    inherited = shared_metrics_folder()
+    metrics_dir = inherited or new_metrics_folder()
     share_metrics_across_processes(metrics_dir)
     writer = WriterProcess(settings) if settings.admission_writer == "process" else None
     try:
@@ -95,4 +108,5 @@ def run_gunicorn(settings: Settings) -> None:
         if writer is not None:
             # After gunicorn returned: every web process has finished its requests.
             writer.stop()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if not inherited:
+            shutil.rmtree(metrics_dir, ignore_errors=True)

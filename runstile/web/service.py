@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 
 from .. import __version__
-from ..errors import LedgerUnavailable, RouteNotFound, RunstileError
+from ..errors import LedgerUnavailable, RouteNotFound, RunstileError, Unauthorized
 from ..fingerprint import FINGERPRINT_VERSION
 from ..ledger import migrations
 from ..ledger import recovery as ledger_recovery
@@ -46,7 +46,13 @@ def readyz() -> Response:
 
 @blueprint.get("/metrics")
 def prometheus() -> Response:
-    body, content_type = metrics.render(state().metrics_dir)
+    web = state()
+    # RUNSTILE_METRICS_TOKEN, when set, is the one credential /metrics takes (API keys
+    # are not: a scraper's token is not a tenant's key).
+    if not metrics.token_matches(web.settings.metrics_token,
+                                 request.environ.get("HTTP_AUTHORIZATION", "")):
+        raise Unauthorized("authentication required")
+    body, content_type = metrics.render(web.metrics_dir, conn)
     return Response(body, content_type=content_type)
 
 

@@ -17,7 +17,7 @@ import time
 
 import dramatiq
 
-from .. import crashpoints, dispatch
+from .. import crashpoints, dispatch, logs
 from .. import tasks as registry
 from ..config import Settings
 from ..errors import LedgerUnavailable, RunstileError
@@ -25,6 +25,7 @@ from ..jsondepth import MAX_DEPTH
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
+from . import metrics
 from .context import (
     ApprovalParked,
     Interrupt,
@@ -66,6 +67,11 @@ class Executor:
         return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
 
     def __call__(self, run_id: str, dispatch_id: int | None = None) -> None:
+        # Every log line of this message, the task body's own included, names the run.
+        with logs.run_context(run_id):
+            self._execute(run_id, dispatch_id)
+
+    def _execute(self, run_id: str, dispatch_id: int | None) -> None:
         owner = self.owner()
         conn = self.pool.get()
         try:
@@ -85,12 +91,16 @@ class Executor:
             return
         crashpoints.hit(self.settings, "after_claim")
         if claim.run is None:
+            metrics.claim_lost(claim.outcome)
             log.info("run %s: claim lost (%s); message acknowledged as a no-op (dispatch %s)",
                      run_id, claim.outcome, dispatch_id)
             return
+        started = time.monotonic()
+        logs.set_task(claim.run["task"])
+        metrics.claimed(claim.run)
         outcome = self._body(claim.run, owner, conn)
         if outcome is not None:
-            self._aftermath(claim.run, owner, outcome)
+            self._aftermath(claim.run, owner, outcome, started)
 
     def _body(self, run: dict, owner: Owner, conn) -> dict | None:
         """Run the task body; the outcome to record, or None when there is nothing left
@@ -140,17 +150,19 @@ class Executor:
         return {"status": "failed", "error_code": code,
                 "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
 
-    def _aftermath(self, run: dict, owner: Owner, outcome: dict) -> None:
+    def _aftermath(self, run: dict, owner: Owner, outcome: dict, started: float) -> None:
         """Record what the body came to: a retry, or the run's terminal status."""
         crashpoints.hit(self.settings, "after_body")
         spec = registry.get(run["task"])
         assert spec is not None
         if outcome["status"] == "failed" and self._retry(run, owner, spec, outcome):
             return
-        if self._finish(run["id"], owner, outcome) is None:
+        finished = self._finish(run["id"], owner, outcome)
+        if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])
             return
+        metrics.finished(run["task"], finished["status"], started)
         # If this process dies here, recovery's sweep sends what the finish owed.
         crashpoints.hit(self.settings, "after_finish")
 

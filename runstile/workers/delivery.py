@@ -19,12 +19,13 @@ from collections.abc import Callable
 
 import dramatiq
 
-from .. import crashpoints, dispatch, webhooks
+from .. import crashpoints, dispatch, logs, webhooks
 from ..config import Settings
 from ..errors import LedgerUnavailable
 from ..ledger import obligations, webhook_secrets
 from ..ledger.db import ConnectionPool
 from ..objects import rfc3339, run_object
+from . import metrics
 
 log = logging.getLogger("runstile.delivery")
 
@@ -88,7 +89,8 @@ class Deliverer:
             if claim.wait_s > 0:  # the message came before the backoff ended
                 dispatch.send_delivery_later(self.settings, conn, obligation_id, claim.wait_s)
             return
-        self.attempt(conn, claim.row)
+        with logs.run_context(claim.row["run_id"]):
+            self.attempt(conn, claim.row)
 
     def attempt(self, conn, row: dict) -> None:
         settings = self.settings
@@ -102,6 +104,7 @@ class Deliverer:
             read_timeout_s=settings.delivery_read_timeout_s,
             max_response_bytes=MAX_RESPONSE_BYTES, resolver=self.resolver)
         crashpoints.hit(settings, "after_delivery_send")
+        park = False
         if outcome.kind == "delivered":
             won = obligations.settle_delivered(conn, row, status=outcome.status)
             log.info("delivery %s (run %s, %s): delivered on attempt %d", row["id"],
@@ -121,6 +124,8 @@ class Deliverer:
                      "parked" if park else f"next in {delay_s:.2f}s")
             if won and not park:
                 dispatch.send_delivery_later(settings, conn, row["id"], delay_s)
+        metrics.delivery(("delivered" if outcome.kind == "delivered" else
+                          "parked" if park else "retry") if won else "lost")
         if not won:
             log.warning("delivery %s: attempt %d was no longer ours when it ended (recovery "
                         "re-armed it); its outcome is dropped", row["id"], row["attempts"])

@@ -14,7 +14,7 @@ import time
 
 import dramatiq
 
-from .. import dispatch
+from .. import dispatch, logs
 from .. import tasks as registry
 from ..config import Settings
 from ..errors import RunstileError
@@ -34,8 +34,8 @@ SIGNAL_POLL_S = 1.0
 
 
 def run(settings: Settings, generation: int) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s [worker %(process)d] %(message)s")
+    logs.configure(settings.log_format, node=settings.node_id,
+                   text_format="%(asctime)s %(levelname)s [worker %(process)d] %(message)s")
     registry.load(settings.tasks)
     # One dispatcher per process; every connection of its pool settles with it.
     dispatcher = dispatch.Dispatcher(settings)

@@ -70,7 +70,7 @@ def _past_every_seq(case, code: str) -> bool:
 
 
 def _cursor(seq: int | str) -> str:
-    """A cursor as GET /v1/runs makes them."""
+    """A cursor as GET /v1/runs (and GET /v1/deliveries) makes them."""
     return base64.urlsafe_b64encode(f"v1:{seq}".encode()).decode().rstrip("=")
 
 
@@ -119,8 +119,8 @@ def with_real_names(case, run_id: str) -> None:
         case.body = {**case.body, "task": KNOWN_TASK}
     if "{run_id}" in case.path:
         case.path_parameters = {**(case.path_parameters or {}), "run_id": run_id}
-    if (case.method, case.path) == ("GET", "/v1/runs") and case.query and \
-            "cursor" in case.query:
+    if case.method == "GET" and case.path in ("/v1/runs", "/v1/deliveries") and \
+            case.query and "cursor" in case.query:
         seq = int.from_bytes(str(case.query["cursor"]).encode()[:9], "big")
         case.query = {**case.query, "cursor": _cursor(seq)}
 

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "runstile"
 #: -> up -> cli.  ``client`` stands apart: it imports nothing of the server side.
 FOUNDATIONS = {"errors", "config", "crashpoints", "filemodes", "fingerprint", "jsondepth",
                "netguard", "nodelock", "objects", "signals", "tasks", "ticks", "webhooks",
-               "__version__"}
+               "logs", "__version__"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors"},
@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "jsondepth": set(),
     "filemodes": set(),
     "signals": set(),
+    "logs": set(),
     "netguard": {"errors"},
     "nodelock": {"errors", "filemodes"},
     "objects": {"errors", "jsondepth"},

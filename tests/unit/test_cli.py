@@ -58,6 +58,7 @@ def test_keys_list_revoke_and_rotate(tmp_path, capsys):
 
 def test_unknown_keys_are_a_failure_and_bad_usage_is_exit_2(tmp_path, capsys):
     d = ["--data-dir", str(tmp_path)]
+    assert run(["db", "migrate", *d], capsys)[0] == 0
     code, _, err = run(["keys", "revoke", "key_0000000000000000", *d], capsys)
     assert code == 1 and "no key" in err
     assert run(["keys", "create", *d], capsys)[0] == 2                      # --profile missing
@@ -145,9 +146,45 @@ def test_webhooks_secret_for_a_profile_that_does_not_exist_is_refused_and_makes_
 
 def test_deliveries_commands_validate_ids_and_report_unknown_ones(tmp_path, capsys):
     base = ["--data-dir", str(tmp_path)]
+    assert run(["db", "migrate", *base], capsys)[0] == 0
     assert run(["deliveries", "list", "run_123", *base], capsys)[0] == 2
     assert run(["deliveries", "retry", "dlv_x", *base], capsys)[0] == 2
     code, _, err = run(["deliveries", "discard", "msg_" + "0" * 32, *base], capsys)
     assert code == 1 and "delivery_not_found" in err
     code, _, err = run(["deliveries", "list", "run_" + "0" * 32, *base], capsys)
     assert code == 1 and "run_not_found" in err
+
+
+def test_a_command_that_reads_a_missing_ledger_says_so_and_creates_none(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    d = ["--data-dir", str(missing)]
+    for argv in (["keys", "list"], ["keys", "revoke", "key_x"], ["webhooks", "secret",
+                 "--profile", "p"], ["deliveries", "list"], ["recover"],
+                 ["deliveries", "discard", "msg_" + "0" * 32]):
+        code, out, err = run([*argv, *d], capsys)
+        assert code == 1, argv
+        assert f"no ledger at {missing / 'ledger.db'}" in err and out == ""
+        assert not (missing / "ledger.db").exists(), argv
+    assert run(["keys", "create", "--profile", "p", *d], capsys)[0] == 0
+    assert (missing / "ledger.db").exists()
+
+
+def test_an_invalid_log_format_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RUNSTILE_LOG_FORMAT", "yaml")
+    code, _, err = run(["keys", "list", "--data-dir", str(tmp_path)], capsys)
+    assert code == 2 and "RUNSTILE_LOG_FORMAT='yaml' is invalid: must be one of text, json" in err
+
+
+def test_up_on_a_taken_port_fails_clearly_before_printing_a_url_or_making_a_key(tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "runstile", "up", "--port", str(port), "--data-dir",
+             str(tmp_path / "data")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert not (tmp_path / "data" / "ledger.db").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,23 @@ def test_every_variable_maps_to_a_setting():
     fields = set(Settings.__dataclass_fields__)
     for name in ENV_VARIABLES:
         assert name.removeprefix("RUNSTILE_").lower() in fields, name
+
+
+def test_a_new_metrics_folder_removes_those_whose_owner_is_gone(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    from runstile.config import new_metrics_folder
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for name, owner in (("runstile-metrics-dead", str(gone.pid)),
+                        ("runstile-metrics-live", str(os.getpid()))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner").write_text(owner)
+    (tmp_path / "runstile-metrics-older").mkdir()  # no owner file: not ours to judge
+    folder = Path(new_metrics_folder())
+    assert folder.parent == tmp_path and (folder / "owner").read_text() == str(os.getpid())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [folder.name, "runstile-metrics-live", "runstile-metrics-older"])

@@ -20,7 +20,7 @@ import socket
 import sqlite3
 import sys
 
-from ... import crashpoints, dispatch
+from ... import crashpoints, dispatch, logs
 from ...config import Settings
 from ...errors import AdmissionWriterFailed
 from ...ledger import db, group_commit
@@ -55,8 +55,8 @@ def main() -> int:
     """``python -c ENTRY PATH FD``: settings arrive pickled on stdin from
     the ``serve`` process (the same object its web processes use); FD is the lifeline."""
     settings = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s [writer] %(message)s")
+    logs.configure(settings.log_format, node=settings.node_id, level=logging.WARNING,
+                   text_format="%(asctime)s %(levelname)s [writer] %(message)s")
     lifeline = socket.socket(fileno=int(sys.argv[2]))
     return serve(settings, sys.argv[1], lifeline)
 
