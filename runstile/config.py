@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import queues
 from .errors import ConfigError
 
 #: The synchronous levels SQLite accepts; FULL is the durable default (docs/guarantees.md, "1. Durable admission").
@@ -95,6 +96,43 @@ def _tasks(raw: str) -> tuple[str, ...]:
     if not names:
         raise ValueError("must name at least one module")
     return names
+
+
+def _queue_name(name: str) -> str:
+    try:
+        return queues.check_name(name, "queue")
+    except ConfigError as exc:
+        raise ValueError(exc.message) from None
+
+
+def queue_list(raw: str) -> tuple[str, ...]:
+    """``a,b``: the queues a node consumes (RUNSTILE_QUEUES, ``--queues``); empty: all.
+    Whether a task uses each is checked where the registry is loaded (workers/pools.py)."""
+    return tuple(dict.fromkeys(_queue_name(part.strip()) for part in raw.split(",")
+                               if part.strip()))
+
+
+#: Most threads ``--queue-threads`` may give one queue (as ``--threads``).
+MAX_QUEUE_THREADS = 256
+
+
+def queue_threads(raw: str) -> tuple[tuple[str, int], ...]:
+    """``email=2,reports=1``: queues with a thread pool of their own, in each worker
+    process (RUNSTILE_QUEUE_THREADS, ``--queue-threads``).  A queue named twice, a part
+    without ``=`` or a count outside 1-256 is refused with ValueError."""
+    pairs: dict[str, int] = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        name, eq, count = (x.strip() for x in part.partition("="))
+        if not eq or not name or not count.isdigit() \
+                or not 1 <= int(count) <= MAX_QUEUE_THREADS:
+            raise ValueError(f"{part!r} is not QUEUE=THREADS with THREADS a whole number "
+                             f"from 1 to {MAX_QUEUE_THREADS} (e.g. email=2)")
+        if name in pairs:
+            raise ValueError(f"queue {name!r} is given threads twice")
+        pairs[_queue_name(name)] = int(count)
+    return tuple(pairs.items())
 
 
 def _optional_text(raw: str) -> str | None:
@@ -232,8 +270,13 @@ class Settings:
     admission_writer: str = "process"
     #: Dramatiq worker processes.
     workers: int = 2
-    #: Threads per Dramatiq worker process.
+    #: Threads per Dramatiq worker process (the pool shared by the queues that have none
+    #: of their own; deliveries have as many again).
     threads: int = 4
+    #: Queues this node's workers consume; empty: every queue a registered task uses.
+    queues: tuple[str, ...] = ()
+    #: ``(queue, threads)``: queues with a thread pool of their own in each worker process.
+    queue_threads: tuple[tuple[str, int], ...] = ()
     #: Named crash point at which the process SIGKILLs itself (tests only).
     crashpoint: str | None = None
 
@@ -335,5 +378,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_ADMISSION_WRITER": (_admission_writer, "who commits admissions"),
     "RUNSTILE_WORKERS": (_positive_int, "worker processes"),
     "RUNSTILE_THREADS": (_positive_int, "threads per worker process"),
+    "RUNSTILE_QUEUES": (queue_list, "queues this node consumes, comma-separated"),
+    "RUNSTILE_QUEUE_THREADS": (queue_threads, "queues with their own threads, QUEUE=N,..."),
     "RUNSTILE_CRASHPOINT": (_crashpoint, "test crash point"),
 }

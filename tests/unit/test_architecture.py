@@ -19,11 +19,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "runstile"
 #: Imports point one way: foundations -> ledger -> dispatch -> web | workers | recovery
 #: -> up -> cli.  ``client`` stands apart: it imports nothing of the server side.
 FOUNDATIONS = {"errors", "config", "crashpoints", "filemodes", "fingerprint", "jsondepth",
-               "netguard", "nodelock", "objects", "signals", "tasks", "webhooks",
+               "netguard", "nodelock", "objects", "queues", "signals", "tasks", "webhooks",
                "__version__"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"errors"},
+    "config": {"errors", "queues"},
     "crashpoints": {"config"},
     "fingerprint": {"errors"},
     "jsondepth": set(),
@@ -32,12 +32,13 @@ ALLOWED: dict[str, set[str]] = {
     "netguard": {"errors"},
     "nodelock": {"errors", "filemodes"},
     "objects": {"errors", "jsondepth"},
-    "tasks": {"errors"},
+    "queues": {"errors"},  # queue names and their broker queues
+    "tasks": {"errors", "queues"},
     "webhooks": {"errors", "netguard"},
     "client": {"errors"},
     "ledger": {"errors", "filemodes", "jsondepth"},
     "rabbitmq": set(),  # Dramatiq's RabbitMQ broker with run priority, for dispatch
-    "dispatch": {"config", "errors", "ledger", "rabbitmq"},
+    "dispatch": {"config", "errors", "ledger", "queues", "rabbitmq"},
     "web": FOUNDATIONS | {"ledger", "dispatch"},
     "workers": FOUNDATIONS | {"ledger", "dispatch"},
     "recovery": FOUNDATIONS | {"ledger", "dispatch"},
