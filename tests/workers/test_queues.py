@@ -100,3 +100,23 @@ def test_a_webhook_is_delivered_while_every_run_thread_is_busy(make_system, ledg
     assert api.get(f"/v1/runs/{holder['id']}").json()["status"] == "running"
     release.touch()
     assert wait_for_status(api, holder["id"])["status"] == "completed"
+
+
+@pytest.mark.parametrize("broker", ALL, indirect=True)
+def test_lost_messages_of_a_queue_are_republished_to_that_queue(deploy, broker, ledger,
+                                                                tmp_path):
+    """Recovery re-publishes a run to the queue stored on it: a node that consumes only
+    ``slow`` completes ``slow`` runs whose messages the broker lost (one sent to the
+    default queue instead would never be consumed here)."""
+    deployment = deploy({"RUNSTILE_QUEUES": "slow"})
+    deployment.stop_workers()
+    log = tmp_path / "executions.log"
+    ids = [deployment.api.post_run({"task": "t.slow_gate", "input": {
+        "log": str(log), "tag": f"lost{n}"}}).json()["id"] for n in range(5)]
+    broker.lose_messages()  # Redis restarted without persistence; RabbitMQ purged
+    deployment.start_workers()
+    for rid in ids:
+        assert wait_for_status(deployment.api, rid, timeout_s=60)["status"] == "completed"
+    assert sorted(starts(log)) == [f"lost{n}" for n in range(5)]
+    assert ledger.query("SELECT COUNT(DISTINCT run_id) FROM dispatches "
+                        "WHERE reason = 'republished'")[0][0] == 5
