@@ -5,6 +5,8 @@ worker processes in tests/workers/test_queues.py."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
 import runstile
@@ -13,6 +15,8 @@ from runstile import tasks as registry
 from runstile.cli import main
 from runstile.config import Settings
 from runstile.errors import ConfigError
+from runstile.ledger import db, migrations
+from runstile.objects import run_object
 from runstile.up import Supervisor
 from runstile.workers import pools
 
@@ -127,3 +131,29 @@ def test_runstile_queues_and_queue_threads_are_read_from_the_environment():
     assert settings.queue_threads == (("slow", 2),)
     with pytest.raises(ConfigError, match="RUNSTILE_QUEUES='a.b' is invalid"):
         Settings.from_env({"RUNSTILE_QUEUES": "a.b"})
+
+
+def test_migration_9_puts_every_existing_run_on_the_default_queue(tmp_path):
+    path = tmp_path / "ledger.db"
+    conn = sqlite3.connect(path)
+    for version, script in migrations.MIGRATIONS:
+        if version < 9:
+            for statement in migrations.split_statements(script()):
+                conn.execute(statement)
+    conn.execute("PRAGMA user_version = 8")
+    conn.execute("INSERT INTO profiles (id, created_at) VALUES ('p', 0)")
+    conn.execute("INSERT INTO api_keys (id, profile_id, role, secret_hash, created_at) "
+                 "VALUES ('key_1', 'p', 'client', 'h', 0)")
+    conn.execute("INSERT INTO runs (id, profile_id, key_id, task, input, fingerprint, "
+                 "fingerprint_version, status, attempt, created_at, updated_at) VALUES "
+                 "('run_old', 'p', 'key_1', 'echo', 'null', 'f', 1, 'queued', 1, 0, 0)")
+    conn.commit()
+    conn.close()
+    assert migrations.migrate(path) == 8
+    conn = db.connect(path)
+    try:
+        row = dict(conn.execute("SELECT * FROM runs").fetchone())
+        assert row["queue"] == "default" and queues.queue_of(row) == "default"
+        assert run_object(row)["queue"] == "default"
+    finally:
+        conn.close()
