@@ -23,7 +23,12 @@ bench/results/.  Then one combined table (bench/summary.py) checks issue 7's tar
 a full run, is written to docs/performance.md with the chart docs/performance.png.  The
 exit code is 1 if any floor that ran fails, cannot be measured, or a run is invalid.
 
-Environment: BENCH_ONLY (admission | execution | recovery; all when unset), BENCH_SECONDS (10),
+Section 4, flow control (issue 16), measured and not asserted: a 400-run backlog of
+mixed priorities admitted while every worker thread of ``runstile up`` is held, then
+drained; the share of pairs that started in priority order (bench/flow.py).
+
+Environment: BENCH_ONLY (admission | execution | recovery | flow; all when unset),
+BENCH_FLOW_RUNS (400), BENCH_SECONDS (10),
 BENCH_WARMUP (2), BENCH_CLIENT_PROCESSES (4), BENCH_CLIENT_THREADS (4), BENCH_E2E_RUNS
 (2000), BENCH_LATENCY_RUNS (50), BENCH_EXEC_TARGETS, BENCH_RECOVERY_REPEATS (3), ... (all in
 bench/README.md);
@@ -44,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import admission, execution, recovery, summary  # noqa: E402
+from bench import admission, execution, flow, recovery, summary  # noqa: E402
 
 FLOOR = 0.8          # issue 2: runstile >= 0.8 x baseline (b)
 EXEC_FLOOR = 1.0     # issue 3: runstile end to end >= 1.0 x DBOS on SQLite
@@ -210,8 +215,9 @@ def main() -> int:
     # A SIGTERM (e.g. from make or CI) unwinds like Ctrl-C so every server is killed.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     only = os.environ.get("BENCH_ONLY", "").strip()
-    if only not in ("", "admission", "execution", "recovery"):
-        print("BENCH_ONLY must be 'admission', 'execution' or 'recovery'", file=sys.stderr)
+    if only not in ("", "admission", "execution", "recovery", "flow"):
+        print("BENCH_ONLY must be 'admission', 'execution', 'recovery' or 'flow'",
+              file=sys.stderr)
         return 2
     verdicts = {}
     started = summary.now()
@@ -225,6 +231,9 @@ def main() -> int:
     if only in ("", "recovery"):
         print("\n== recovery benchmark (issue 5) ==", flush=True)
         verdicts["recovery (issue 5)"] = recovery_section()
+    if only in ("", "flow"):
+        print("\n== flow control (issue 16) ==", flush=True)
+        verdicts["flow control (issue 16)"] = flow_section()
     try:
         combined = summary.build(REPORTS)
         summary.print_table(combined)
@@ -594,6 +603,47 @@ def recovery_section() -> bool:
     REPORTS["recovery"] = report
     print_recovery_table(report)
     return passed
+
+
+# ------------------------------------------------------------------ flow control (issue 16)
+
+def flow_section() -> bool:
+    """Issue 16's row: priority order under load, measured and not asserted (no floor);
+    True when it could be measured."""
+    runs = int(os.environ.get("BENCH_FLOW_RUNS", "400"))
+    keep = os.environ.get("BENCH_KEEP") == "1"
+    print(f"bench: a {runs}-run mixed-priority backlog behind busy workers "
+          "(override with BENCH_FLOW_RUNS)", flush=True)
+    row = flow.bench_priority_order(runs, keep).row()
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"flow-{stamp}.json"
+    report = {"benchmark": "flow control (issue 16)", "time": stamp, "targets": [row],
+              "config": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                         "sqlite": sqlite3.sqlite_version},
+              "saved_to": str(out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd())
+                              else out)}
+    text = json.dumps(report, indent=2) + "\n"
+    out.write_text(text)
+    (RESULTS / "latest-flow.json").write_text(text)
+    REPORTS["flow"] = report
+    print()
+    print("flow control — priority order under load (measured, no floor)")
+    if not row["measured"]:
+        print(f"priority-order: NOT MEASURED: {row['problem']}")
+        return False
+    print(f"{row['runs']} no-op runs, priorities 0-9, admitted while all "
+          f"{execution.WORKER_PROCESSES * execution.WORKER_THREADS} threads were held, "
+          "then drained:")
+    print(f"  pairs of different priority started in priority order: "
+          f"{row['pairs_in_order']:.4f} (random order: about 0.5)")
+    print(f"  the same without the {row['prefetched']} runs prefetched before the backlog "
+          f"was sorted: {_fmt(row['pairs_in_order_after_prefetch'], '.4f')}")
+    print(f"  every priority-9 run started before every priority-0 run: "
+          f"{row['all_9s_before_all_0s']}")
+    print(f"  starts before the first priority-9 start: {row['starts_before_first_9']}")
+    print(f"saved {report['saved_to']}")
+    return True
 
 
 if __name__ == "__main__":

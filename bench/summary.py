@@ -200,6 +200,17 @@ def build(reports: dict[str, dict]) -> dict:
                         f"{RECOVERY_TARGET:g} x DBOS on SQLite (the faster DBOS variant)",
                         "verdict": verdict, "met": met, "ratio": ratio,
                         "against": best_name})
+    flow = reports.get("flow")
+    for r in (flow or {}).get("targets", []):
+        # Measured, not a target (issue 16): how closely starts follow priority.
+        label = f"runstile up: priority order, {r['runs']}-run backlog"
+        if not r["measured"]:
+            row("flow control (issue 16)", label, note=f"NOT MEASURED: {r['problem']}")
+            continue
+        share = r["pairs_in_order"]
+        row("flow control (issue 16)", label, None if share is None else round(share * 100, 1),
+            "% pairs in order", note=f"all 9s before all 0s: {r['all_9s_before_all_0s']}; "
+            f"{r['starts_before_first_9']} starts before the first 9", runstile=True)
     return {"rows": rows, "targets": targets}
 
 

@@ -10,152 +10,14 @@ two in step.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
-import socket
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import config_values as values_of
 from .errors import ConfigError
-
-#: The synchronous levels SQLite accepts; FULL is the durable default (docs/guarantees.md, "1. Durable admission").
-SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
-#: Crash points that code names, for crash tests that SIGKILL a process at a named point
-#: (docs/configuration.md, RUNSTILE_CRASHPOINT); see crashpoints.py.
-CRASHPOINTS = ("after_admit_commit", "after_claim", "after_step_start", "after_body",
-               "after_finish", "mid_recovery", "after_delivery_send", "writer_after_commit")
-
-
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise ValueError("must be a whole number of at least 1")
-    return value
-
-
-def _non_negative_int(raw: str) -> int:
-    value = int(raw)
-    if value < 0:
-        raise ValueError("must be a whole number of at least 0")
-    return value
-
-
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError("must be a number greater than 0")
-    return value
-
-
-def _non_negative_float(raw: str) -> float:
-    value = float(raw)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError("must be a finite number of at least 0")
-    return value
-
-
-def _synchronous(raw: str) -> str:
-    value = raw.strip().upper()
-    if value not in SYNCHRONOUS_LEVELS:
-        raise ValueError(f"must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
-    return value
-
-
-#: Who commits the admissions of ``serve``'s web processes (web/writer/).
-ADMISSION_WRITERS = ("process", "inline")
-
-
-def _admission_writer(raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in ADMISSION_WRITERS:
-        raise ValueError(f"must be one of {', '.join(ADMISSION_WRITERS)}")
-    return value
-
-
-def _broker_url(raw: str) -> str:
-    value = raw.strip()
-    if value == "sqlite":
-        return value
-    # RabbitMQ accepts several URLs separated by ';' (Dramatiq tries them in turn).
-    amqp = value.startswith(("amqp://", "amqps://"))
-    for url in value.split(";") if amqp else [value]:
-        parts = urllib.parse.urlsplit(url.strip())
-        schemes = ("amqp", "amqps") if amqp else ("redis", "rediss")
-        if parts.scheme not in schemes or not parts.hostname:
-            raise ValueError("must be 'sqlite', a redis:// URL or an amqp:// URL with a host")
-        _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
-    return value
-
-
-def _tasks(raw: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in raw.split(",") if part.strip())
-    if not names:
-        raise ValueError("must name at least one module")
-    return names
-
-
-def _optional_text(raw: str) -> str | None:
-    return raw.strip() or None
-
-
-def _text(raw: str) -> str:
-    value = raw.strip()
-    if not value:
-        raise ValueError("must not be empty")
-    return value
-
-
-def _path(raw: str) -> Path:
-    return Path(_text(raw))
-
-
-def _allowlist(raw: str) -> tuple[str, ...]:
-    entries = tuple(part.strip() for part in raw.split(",") if part.strip())
-    for entry in entries:
-        if "/" in entry:
-            ipaddress.ip_network(entry, strict=False)  # raises ValueError on nonsense
-    return entries
-
-
-#: How every process of runstile writes its log lines (runstile/logs.py).
-LOG_FORMATS = ("text", "json")
-
-
-def _log_format(raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in LOG_FORMATS:
-        raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}")
-    return value
-
-
-def _crashpoint(raw: str) -> str | None:
-    value = raw.strip() or None
-    if value is None:
-        return None
-    name, _, probability = value.partition(":")
-    if name not in CRASHPOINTS:
-        raise ValueError(f"must be NAME or NAME:PROBABILITY with NAME one of "
-                         f"{', '.join(CRASHPOINTS)}")
-    if probability:
-        p = float(probability)
-        if not 0 < p <= 1:
-            raise ValueError("the probability after ':' must be in (0, 1]")
-    return value
-
-
-def _node_id(raw: str) -> str:
-    value = raw.strip()
-    if not value or len(value) > 128 or not all(c.isalnum() or c in "-_." for c in value):
-        raise ValueError("must be 1-128 characters of letters, digits, '-', '_' or '.'")
-    return value
-
-
-def _default_node_id() -> str:
-    host = socket.gethostname() or "node"
-    return "".join(c if (c.isalnum() or c in "-_.") else "-" for c in host)[:128]
 
 
 @dataclass(frozen=True)
@@ -190,7 +52,7 @@ class Settings:
     #: Seconds purged keys and run ids are remembered as tombstones (410).
     key_tombstone_s: float = 30 * 24 * 3600.0
     #: This node's identity in owners and generation numbers.
-    node_id: str = field(default_factory=_default_node_id)
+    node_id: str = field(default_factory=values_of.default_node_id)
     #: Seconds a claimed run may go without a heartbeat before its lease expires.
     lease_s: float = 15.0
     #: Seconds between one process's heartbeats (renews all its leases at once).
@@ -243,8 +105,13 @@ class Settings:
     admission_writer: str = "process"
     #: Dramatiq worker processes.
     workers: int = 2
-    #: Threads per Dramatiq worker process.
+    #: Threads per Dramatiq worker process (the pool shared by the queues that have none
+    #: of their own; deliveries have as many again).
     threads: int = 4
+    #: Queues this node's workers consume; empty: every queue a registered task uses.
+    queues: tuple[str, ...] = ()
+    #: ``(queue, threads)``: queues with a thread pool of their own in each worker process.
+    queue_threads: tuple[tuple[str, int], ...] = ()
     #: Named crash point at which the process SIGKILLs itself (tests only).
     crashpoint: str | None = None
     #: Bearer token ``GET /metrics`` requires; None: the route needs none.
@@ -333,57 +200,57 @@ def shared_metrics_folder() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
-def _port(raw: str) -> int:
-    value = int(raw)
-    if not 1 <= value <= 65535:
-        raise ValueError("must be a port number from 1 to 65535")
-    return value
-
-
 #: Every environment variable runstile reads: name -> (parser, one-line meaning).
 ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
-    "RUNSTILE_DATA_DIR": (_path, "data directory"),
-    "RUNSTILE_TASKS": (_tasks, "task modules, comma-separated"),
-    "RUNSTILE_BROKER_URL": (_broker_url, "broker"),
-    "RUNSTILE_SYNCHRONOUS": (_synchronous, "SQLite synchronous level"),
-    "RUNSTILE_BUSY_TIMEOUT_MS": (_positive_int, "ledger lock wait, ms"),
-    "RUNSTILE_LIST_QUERY_TIMEOUT_MS": (_positive_int, "list query time limit, ms"),
-    "RUNSTILE_MAX_BODY_BYTES": (_positive_int, "request body cap, bytes"),
-    "RUNSTILE_MAX_ACTIVE_RUNS": (_positive_int, "non-terminal runs per profile"),
-    "RUNSTILE_MAX_RUNNING_PER_PROFILE": (_positive_int, "running runs per profile"),
-    "RUNSTILE_DEFAULT_TASK": (_optional_text, "task used when none is named"),
-    "RUNSTILE_RETRY_AFTER_S": (_positive_int, "Retry-After on 503/429, s"),
-    "RUNSTILE_RUN_RETENTION_S": (_non_negative_float, "terminal run retention, s"),
-    "RUNSTILE_KEY_TOMBSTONE_S": (_non_negative_float, "tombstone retention, s"),
-    "RUNSTILE_NODE_ID": (_node_id, "node identity"),
-    "RUNSTILE_LEASE_S": (_positive_float, "lease length, s"),
-    "RUNSTILE_HEARTBEAT_S": (_positive_float, "heartbeat period, s"),
-    "RUNSTILE_RECOVERY_INTERVAL_S": (_positive_float, "recovery period, s"),
-    "RUNSTILE_RECOVERY_BUDGET": (_non_negative_int, "recoveries per run"),
-    "RUNSTILE_DRAIN_TIMEOUT_S": (_non_negative_float, "drain wait, s"),
-    "RUNSTILE_STOP_GRACE_S": (_non_negative_float, "stop grace, s"),
-    "RUNSTILE_MAX_RESULT_BYTES": (_positive_int, "result cap, bytes"),
-    "RUNSTILE_MAX_STREAMS": (_positive_int, "event streams per web process"),
-    "RUNSTILE_MAX_STREAMS_PER_KEY": (_positive_int, "event streams per API key and process"),
-    "RUNSTILE_STREAM_MAX_S": (_positive_float, "event stream lifetime, s"),
-    "RUNSTILE_STREAM_KEEPALIVE_S": (_positive_float, "keepalive period, s"),
-    "RUNSTILE_DELIVERY_BACKOFF_S": (_positive_float, "first delivery retry delay, s"),
-    "RUNSTILE_DELIVERY_BACKOFF_MAX_S": (_positive_float, "longest delivery retry delay, s"),
-    "RUNSTILE_DELIVERY_MAX_ATTEMPTS": (_positive_int, "delivery attempts before parking"),
-    "RUNSTILE_DELIVERY_CONNECT_TIMEOUT_S": (_positive_float, "delivery connect timeout, s"),
-    "RUNSTILE_DELIVERY_READ_TIMEOUT_S": (_positive_float, "delivery answer timeout, s"),
-    "RUNSTILE_WEBHOOK_ROTATION_GRACE_S": (_non_negative_float,
+    "RUNSTILE_DATA_DIR": (values_of.path, "data directory"),
+    "RUNSTILE_TASKS": (values_of.tasks, "task modules, comma-separated"),
+    "RUNSTILE_BROKER_URL": (values_of.broker_url, "broker"),
+    "RUNSTILE_SYNCHRONOUS": (values_of.synchronous, "SQLite synchronous level"),
+    "RUNSTILE_BUSY_TIMEOUT_MS": (values_of.positive_int, "ledger lock wait, ms"),
+    "RUNSTILE_LIST_QUERY_TIMEOUT_MS": (values_of.positive_int, "list query time limit, ms"),
+    "RUNSTILE_MAX_BODY_BYTES": (values_of.positive_int, "request body cap, bytes"),
+    "RUNSTILE_MAX_ACTIVE_RUNS": (values_of.positive_int, "non-terminal runs per profile"),
+    "RUNSTILE_MAX_RUNNING_PER_PROFILE": (values_of.positive_int, "running runs per profile"),
+    "RUNSTILE_DEFAULT_TASK": (values_of.optional_text, "task used when none is named"),
+    "RUNSTILE_RETRY_AFTER_S": (values_of.positive_int, "Retry-After on 503/429, s"),
+    "RUNSTILE_RUN_RETENTION_S": (values_of.non_negative_float, "terminal run retention, s"),
+    "RUNSTILE_KEY_TOMBSTONE_S": (values_of.non_negative_float, "tombstone retention, s"),
+    "RUNSTILE_NODE_ID": (values_of.node_id, "node identity"),
+    "RUNSTILE_LEASE_S": (values_of.positive_float, "lease length, s"),
+    "RUNSTILE_HEARTBEAT_S": (values_of.positive_float, "heartbeat period, s"),
+    "RUNSTILE_RECOVERY_INTERVAL_S": (values_of.positive_float, "recovery period, s"),
+    "RUNSTILE_RECOVERY_BUDGET": (values_of.non_negative_int, "recoveries per run"),
+    "RUNSTILE_DRAIN_TIMEOUT_S": (values_of.non_negative_float, "drain wait, s"),
+    "RUNSTILE_STOP_GRACE_S": (values_of.non_negative_float, "stop grace, s"),
+    "RUNSTILE_MAX_RESULT_BYTES": (values_of.positive_int, "result cap, bytes"),
+    "RUNSTILE_MAX_STREAMS": (values_of.positive_int, "event streams per web process"),
+    "RUNSTILE_MAX_STREAMS_PER_KEY": (values_of.positive_int,
+                                     "event streams per API key and process"),
+    "RUNSTILE_STREAM_MAX_S": (values_of.positive_float, "event stream lifetime, s"),
+    "RUNSTILE_STREAM_KEEPALIVE_S": (values_of.positive_float, "keepalive period, s"),
+    "RUNSTILE_DELIVERY_BACKOFF_S": (values_of.positive_float, "first delivery retry delay, s"),
+    "RUNSTILE_DELIVERY_BACKOFF_MAX_S": (values_of.positive_float,
+                                        "longest delivery retry delay, s"),
+    "RUNSTILE_DELIVERY_MAX_ATTEMPTS": (values_of.positive_int, "delivery attempts before parking"),
+    "RUNSTILE_DELIVERY_CONNECT_TIMEOUT_S": (values_of.positive_float,
+                                            "delivery connect timeout, s"),
+    "RUNSTILE_DELIVERY_READ_TIMEOUT_S": (values_of.positive_float, "delivery answer timeout, s"),
+    "RUNSTILE_WEBHOOK_ROTATION_GRACE_S": (values_of.non_negative_float,
                                           "old secret keeps signing, s"),
-    "RUNSTILE_CALLBACK_ALLOWLIST": (_allowlist, "hosts/CIDRs exempt from the SSRF guard"),
-    "RUNSTILE_HOST": (_text, "listen address"),
-    "RUNSTILE_PORT": (_port, "listen port"),
-    "RUNSTILE_WEB_WORKERS": (_positive_int, "web processes"),
-    "RUNSTILE_WEB_THREADS": (_positive_int, "threads per web process"),
-    "RUNSTILE_REQUEST_READ_TIMEOUT_S": (_positive_float, "time for a request to arrive, s"),
-    "RUNSTILE_ADMISSION_WRITER": (_admission_writer, "who commits admissions"),
-    "RUNSTILE_WORKERS": (_positive_int, "worker processes"),
-    "RUNSTILE_THREADS": (_positive_int, "threads per worker process"),
-    "RUNSTILE_CRASHPOINT": (_crashpoint, "test crash point"),
-    "RUNSTILE_METRICS_TOKEN": (_optional_text, "bearer token for /metrics"),
-    "RUNSTILE_LOG_FORMAT": (_log_format, "log line format"),
+    "RUNSTILE_CALLBACK_ALLOWLIST": (values_of.allowlist, "hosts/CIDRs exempt from the SSRF guard"),
+    "RUNSTILE_HOST": (values_of.text, "listen address"),
+    "RUNSTILE_PORT": (values_of.port, "listen port"),
+    "RUNSTILE_WEB_WORKERS": (values_of.positive_int, "web processes"),
+    "RUNSTILE_WEB_THREADS": (values_of.positive_int, "threads per web process"),
+    "RUNSTILE_REQUEST_READ_TIMEOUT_S": (values_of.positive_float,
+                                        "time for a request to arrive, s"),
+    "RUNSTILE_ADMISSION_WRITER": (values_of.admission_writer, "who commits admissions"),
+    "RUNSTILE_WORKERS": (values_of.positive_int, "worker processes"),
+    "RUNSTILE_THREADS": (values_of.positive_int, "threads per worker process"),
+    "RUNSTILE_QUEUES": (values_of.queue_list, "queues this node consumes, comma-separated"),
+    "RUNSTILE_QUEUE_THREADS": (values_of.queue_threads,
+                               "queues with their own threads, QUEUE=N,..."),
+    "RUNSTILE_CRASHPOINT": (values_of.crashpoint, "test crash point"),
+    "RUNSTILE_METRICS_TOKEN": (values_of.optional_text, "bearer token for /metrics"),
+    "RUNSTILE_LOG_FORMAT": (values_of.log_format, "log line format"),
 }

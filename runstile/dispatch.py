@@ -32,24 +32,31 @@ from .errors import RunstileError
 from .ledger import broker_queue, db, dispatches, obligations
 from .ledger.owed import Owed
 from .ledger.runs import Enqueue, eta_ms, publish_wait, wait_of
+from .queues import DEFAULT_QUEUE, DELIVERY_QUEUE, queue_of
+from .queues import broker_queue as broker_queue_of
 
 log = logging.getLogger("runstile.dispatch")
 
-#: The one queue runs travel on, the actor that executes them, and the actor that
-#: makes one delivery attempt of an obligation (docs/architecture.md, "Deliveries";
-#: workers/delivery.py).
-QUEUE = "runstile"
+#: The broker queue of the default queue (runstile/queues.py names the others), the
+#: actor that executes runs, and the actor that makes one delivery attempt of an
+#: obligation (docs/architecture.md, "Deliveries"; workers/delivery.py).
+QUEUE = broker_queue_of(DEFAULT_QUEUE)
 ACTOR = "runstile_execute"
 DELIVER_ACTOR = "runstile_deliver"
 
 
 def message_for(run_id: str, dispatch_id: int | None = None,
-                priority: int = broker_queue.DEFAULT_PRIORITY) -> dramatiq.Message:
-    """The message of a run: ``broker_priority`` is the run's priority, which RabbitMQ
-    orders by (queues declared with ``x-max-priority``) and the embedded broker stores
-    in its row; Redis ignores it (docs/architecture.md, "The embedded broker")."""
-    return dramatiq.Message(queue_name=QUEUE, actor_name=ACTOR, args=(run_id,),
-                            kwargs={"dispatch_id": dispatch_id},
+                priority: int = broker_queue.DEFAULT_PRIORITY,
+                queue: str = DEFAULT_QUEUE) -> dramatiq.Message:
+    """A run's message, on its queue's broker queue (a queue other than the default is
+    named in it too, for a claim retried later); ``broker_priority`` is the run's, which
+    RabbitMQ orders by and the embedded broker stores in its row; Redis ignores it
+    (docs/architecture.md, "The embedded broker")."""
+    kwargs: dict[str, Any] = {"dispatch_id": dispatch_id}
+    if queue != DEFAULT_QUEUE:
+        kwargs["queue"] = queue
+    return dramatiq.Message(queue_name=broker_queue_of(queue), actor_name=ACTOR,
+                            args=(run_id,), kwargs=kwargs,
                             options={"broker_priority": priority})
 
 
@@ -59,8 +66,8 @@ def priority_of(run: dict[str, Any]) -> int:
 
 
 def delivery_message(obligation_id: str) -> dramatiq.Message:
-    return dramatiq.Message(queue_name=QUEUE, actor_name=DELIVER_ACTOR, args=(obligation_id,),
-                            kwargs={}, options={})
+    return dramatiq.Message(queue_name=DELIVERY_QUEUE, actor_name=DELIVER_ACTOR,
+                            args=(obligation_id,), kwargs={}, options={})
 
 
 class _EmbeddedEnqueue:
@@ -79,12 +86,13 @@ class _EmbeddedEnqueue:
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> broker_queue.NewMessage:
         priority = priority_of(run)
-        message = message_for(run["id"], dispatch_id, priority)
+        message = message_for(run["id"], dispatch_id, priority, queue_of(run))
         if self.delay_s <= 0 and wait_of(run) <= 0:
-            return QUEUE, message.message_id, message.encode(), None, run["id"], priority
+            return (message.queue_name, message.message_id, message.encode(), None,
+                    run["id"], priority)
         # Dramatiq's convention: a delayed message waits on ``<queue>.DQ`` with an eta.
         eta = eta_ms(run, self.delay_s)
-        delayed = message.copy(queue_name=f"{QUEUE}.DQ",
+        delayed = message.copy(queue_name=f"{message.queue_name}.DQ",
                                options={"eta": eta, "broker_priority": priority})
         return (delayed.queue_name, delayed.message_id, delayed.encode(), eta / 1000,
                 run["id"], priority)
@@ -102,7 +110,7 @@ class _PublishAfterCommit:
 
     def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
         db.owe_publish(conn, dispatch_id, run["id"], max(self.delay_s, publish_wait(run)),
-                       priority_of(run))
+                       priority_of(run), queue_of(run))
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> None:
         return None
@@ -177,10 +185,11 @@ class Publisher:
         return self._broker
 
     def send(self, run_id: str, dispatch_id: int, *, delay_s: float = 0.0,
-             priority: int = broker_queue.DEFAULT_PRIORITY) -> bool:
+             priority: int = broker_queue.DEFAULT_PRIORITY,
+             queue: str = DEFAULT_QUEUE) -> bool:
         """Publish one run's message; True if the broker took it.  Never raises."""
-        return self.enqueue(message_for(run_id, dispatch_id, priority), delay_s=delay_s,
-                            what=f"run {run_id}: dispatch {dispatch_id}")
+        return self.enqueue(message_for(run_id, dispatch_id, priority, queue),
+                            delay_s=delay_s, what=f"run {run_id}: dispatch {dispatch_id}")
 
     def enqueue(self, message: dramatiq.Message, *, delay_s: float = 0.0,
                 what: str = "") -> bool:
@@ -216,7 +225,7 @@ def publisher_for(settings: Settings) -> Publisher | None:
 
 def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
             dispatch_id: int, *, delay_s: float = 0.0,
-            priority: int = broker_queue.DEFAULT_PRIORITY,
+            priority: int = broker_queue.DEFAULT_PRIORITY, queue: str = DEFAULT_QUEUE,
             mark: Callable[[Callable[[sqlite3.Connection], Any]], Any] | None = None) -> bool:
     """After the commit that wrote dispatch record ``dispatch_id``: publish it, then mark
     it sent.  True if the broker took the message.  Never raises: an admission or a
@@ -224,11 +233,12 @@ def publish(settings: Settings, conn: sqlite3.Connection | None, run_id: str,
     again by recovery, and the duplicate is harmless).
 
     ``mark`` runs the marking unit instead of ``conn`` (the web passes its group
-    committer, so the marks share the admissions' transactions).  ``priority``: the run's.
+    committer, so the marks share the admissions' transactions).  ``priority`` and
+    ``queue``: the run's.
     """
     publisher = publisher_for(settings)
     if publisher is None or not publisher.send(run_id, dispatch_id, delay_s=delay_s,
-                                               priority=priority):
+                                               priority=priority, queue=queue):
         return False
     def work(c: sqlite3.Connection) -> bool:
         return dispatches.mark_sent(c, dispatch_id, live_in_s=delay_s)
@@ -263,10 +273,10 @@ def publish_pending(settings: Settings, conn: sqlite3.Connection, *,
                     exc.message)
         return 0
     published = 0
-    for dispatch_id, run_id, not_before, priority in pending:
+    for dispatch_id, run_id, not_before, priority, queue in pending:
         wait = publish_wait({"not_before": not_before})
         if not publish(settings, conn, run_id, dispatch_id, delay_s=wait,
-                       priority=priority):
+                       priority=priority, queue=queue):
             break
         published += 1
     return published
@@ -315,7 +325,8 @@ def _send_embedded(conn: sqlite3.Connection, pending: Callable[[], list[str]]) -
     with db.transaction(conn):
         ids = pending()
         for message in map(delivery_message, ids):
-            broker_queue.insert_message(conn, QUEUE, message.message_id, message.encode())
+            broker_queue.insert_message(conn, message.queue_name, message.message_id,
+                                        message.encode())
         obligations.mark_sent(conn, ids)
     return len(ids)
 
@@ -328,7 +339,7 @@ def send_delivery_later(settings: Settings, conn: sqlite3.Connection, obligation
     try:
         if settings.broker_url == "sqlite":
             eta_ms = int((time.time() + max(0.0, delay_s)) * 1000)
-            delayed = message.copy(queue_name=f"{QUEUE}.DQ", options={"eta": eta_ms})
+            delayed = message.copy(queue_name=f"{DELIVERY_QUEUE}.DQ", options={"eta": eta_ms})
             with db.transaction(conn):
                 broker_queue.insert_message(conn, delayed.queue_name, delayed.message_id,
                                             delayed.encode(), eta=eta_ms / 1000)
@@ -381,9 +392,9 @@ class Dispatcher:
     def after_commit(self, conn: sqlite3.Connection, owed: Owed) -> None:
         """Pay what a commit owes, right after it (ledger/db.py calls this).  Never
         raises: an unpaid debt is a committed, unsent row, which recovery sends."""
-        for dispatch_id, run_id, delay_s, priority in owed.publish:
+        for dispatch_id, run_id, delay_s, priority, queue in owed.publish:
             if not publish(self.settings, conn, run_id, dispatch_id, delay_s=delay_s,
-                           priority=priority):
+                           priority=priority, queue=queue):
                 break  # the broker is unreachable: the rest waits for recovery too
         if owed.deliveries:
             send_deliveries(self.settings, conn, run_ids=list(dict.fromkeys(owed.deliveries)))

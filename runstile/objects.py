@@ -67,6 +67,7 @@ def run_object(row: dict) -> dict:
         "retry_of": row.get("retry_of"),
         "not_before": rfc3339(row.get("not_before")),
         "priority": row.get("priority", 5),
+        "queue": row.get("queue") or "default",
         "result": _json(row["result"]),
         "error": error,
         "approval": _approval(row.get("approval")),

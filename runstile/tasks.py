@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .queues import DEFAULT_QUEUE, check_name
 from .ticks import Ticks, check
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class TaskSpec:
     #: The most runs of this task running at once across the deployment; None: no limit
     #: (docs/tasks.md, "Registering a task").  Enforced by the claim (ledger/slots.py).
     concurrency: int | None = None
+    #: The queue its runs travel on (docs/tasks.md, "Queues"); a node consumes the
+    #: queues ``--queues`` names, each in a thread pool of its own or the shared one.
+    queue: str = DEFAULT_QUEUE
 
     @property
     def is_async(self) -> bool:
@@ -56,12 +60,12 @@ _tasks: dict[str, TaskSpec] = {}
 
 
 #: The options ``@runstile.task`` takes; nothing else is honoured (docs/tasks.md).
-OPTIONS = ("time_limit_s", "on_crash", "retries", "retry_backoff_s", "concurrency")
+OPTIONS = ("time_limit_s", "on_crash", "retries", "retry_backoff_s", "concurrency", "queue")
 
 
 def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "interrupt",
          retries: int = 0, retry_backoff_s: float = 1.0, concurrency: int | None = None,
-         **unknown: object) -> Callable[[Callable], Callable]:
+         queue: str = DEFAULT_QUEUE, **unknown: object) -> Callable[[Callable], Callable]:
     """Register ``fn(ctx, input)`` as the task ``name``.
 
     A runstile task is not a Dramatiq actor: Dramatiq's actor options (``max_retries``,
@@ -73,10 +77,11 @@ def task(name: str, *, time_limit_s: float | None = None, on_crash: str = "inter
                           f"@runstile.task takes {', '.join(OPTIONS)} (docs/tasks.md, "
                           f"\"Dramatiq actors and middleware\")")
     _check(name, time_limit_s, on_crash, retries, retry_backoff_s, concurrency)
+    check_name(queue, f"task {name!r}: queue")
 
     def register(fn: Callable) -> Callable:
         spec = TaskSpec(name, fn, time_limit_s, on_crash, retries, float(retry_backoff_s),
-                        concurrency)
+                        concurrency, queue)
         with _lock:
             previous = _tasks.get(name)
             if previous is not None and previous.fn.__qualname__ != fn.__qualname__:
@@ -184,6 +189,18 @@ def concurrency_of(name: str) -> int | None:
     """The task's ``concurrency`` (None: no limit, or no such task here)."""
     spec = get(name)
     return None if spec is None else spec.concurrency
+
+
+def queue_of(name: str) -> str:
+    """The queue of task ``name`` (the default queue for a task not registered here)."""
+    spec = get(name)
+    return DEFAULT_QUEUE if spec is None else spec.queue
+
+
+def queues() -> list[str]:
+    """Every queue a registered task uses, and the default queue (which is always
+    there: runs admitted before their task moved, or before queues existed), sorted."""
+    return sorted({DEFAULT_QUEUE} | {spec.queue for spec in registered().values()})
 
 
 def concurrencies() -> dict[str, int | None]:

@@ -117,6 +117,15 @@ class Supervisor:
             args += ["--tasks", module]
         return args
 
+    def _queue_args(self) -> list[str]:
+        """The node's queues, for its worker processes (flags or RUNSTILE_QUEUES alike)."""
+        s, args = self.settings, []
+        if s.queues:
+            args += ["--queues", ",".join(s.queues)]
+        if s.queue_threads:
+            args += ["--queue-threads", ",".join(f"{q}={n}" for q, n in s.queue_threads)]
+        return args
+
     def plan_web(self) -> list[Child]:
         s, runstile = self.settings, [sys.executable, "-m", "runstile"]
         if not self.web:
@@ -132,7 +141,7 @@ class Supervisor:
         for n in range(s.workers):
             children.append(Child(f"worker-{n + 1}", [
                 *runstile, "worker-process", *self._common_args(), "--generation",
-                str(generation), "--threads", str(s.threads)]))
+                str(generation), "--threads", str(s.threads), *self._queue_args()]))
         return children
 
     def _start(self, children: list[Child]) -> None:

@@ -12,8 +12,9 @@ import sys
 
 import click
 
-from .. import filemodes
+from .. import config_values, filemodes
 from ..config import Settings
+from ..errors import ConfigError
 from .options import (
     _emit_json,
     _ledger,
@@ -31,6 +32,40 @@ def _host_port(settings: Settings, host: str | None, port: int | None) -> Settin
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def queue_options(fn):
+    """Add --queues and --queue-threads (``up``, ``worker``, ``worker-process``): which
+    queues this node consumes and which get threads of their own (docs/tasks.md,
+    "Queues")."""
+    fn = click.option("--queue-threads", "queue_threads", multiple=True, metavar="QUEUE=N",
+                      help="Give a queue N threads of its own in each worker process "
+                           "(repeatable, or comma-separated) [env "
+                           "RUNSTILE_QUEUE_THREADS].")(fn)
+    return click.option("--queues", "queues", multiple=True, metavar="A,B",
+                        help="Consume only these queues (repeatable, or comma-separated) "
+                             "[env RUNSTILE_QUEUES; default every registered task's "
+                             "queue].")(fn)
+
+
+def _with_queues(settings: Settings, queues: tuple[str, ...],
+                 queue_threads: tuple[str, ...]) -> Settings:
+    """``settings`` with the flags' queues (they replace RUNSTILE_QUEUES and
+    RUNSTILE_QUEUE_THREADS when given), checked against the task registry: a bad
+    spec or a queue the node cannot consume is a ConfigError, exit 2 with one line."""
+    from .. import tasks as registry
+    from ..workers import pools
+    for flag, given, parse in (("--queues", queues, config_values.queue_list),
+                               ("--queue-threads", queue_threads, config_values.queue_threads)):
+        if given:
+            try:
+                settings = settings.replace(**{flag[2:].replace("-", "_"):
+                                               parse(",".join(given))})
+            except ValueError as exc:
+                raise ConfigError(f"{flag}: {exc}") from None
+    registry.load(settings.tasks)
+    pools.plan(settings, registry.queues())
+    return settings
 
 
 @click.command("serve")
@@ -62,35 +97,40 @@ def serve(settings, host, port, web_workers, web_threads):
 @settings_options
 @listen_options
 @pool_options
+@queue_options
 @web_workers_option
-def up(settings, host, port, workers, threads, web_workers):
+def up(settings, host, port, workers, threads, queues, queue_threads, web_workers):
     """The main job: web, workers and recovery on the embedded broker, one process tree."""
     from ..up import Supervisor
     settings = _host_port(settings, host, port).replace(
         workers=workers or settings.workers, threads=threads or settings.threads,
         web_workers=web_workers or settings.web_workers)
-    sys.exit(Supervisor(settings).run())
+    sys.exit(Supervisor(_with_queues(settings, queues, queue_threads)).run())
 
 
 @click.command("worker")
 @settings_options
 @pool_options
-def worker(settings, workers, threads):
+@queue_options
+def worker(settings, workers, threads, queues, queue_threads):
     """Worker processes only (for deployments with Redis or RabbitMQ, or a separate web)."""
     from ..up import Supervisor
     settings = settings.replace(workers=workers or settings.workers,
                                 threads=threads or settings.threads)
-    sys.exit(Supervisor(settings, web=False).run())
+    sys.exit(Supervisor(_with_queues(settings, queues, queue_threads), web=False).run())
 
 
 @click.command("worker-process", hidden=True)
 @settings_options
 @click.option("--generation", type=click.IntRange(1), required=True)
 @click.option("--threads", type=click.IntRange(1, 256), default=None)
-def worker_process(settings, generation, threads):
+@queue_options
+def worker_process(settings, generation, threads, queues, queue_threads):
     """One worker process; started by `up` / `worker`, which hold the node lock."""
     from ..workers import process
-    sys.exit(process.run(settings.replace(threads=threads or settings.threads), generation))
+    settings = _with_queues(settings.replace(threads=threads or settings.threads), queues,
+                            queue_threads)
+    sys.exit(process.run(settings, generation))
 
 
 @click.command("recover")

@@ -63,6 +63,8 @@ class AdmissionRequest:
     #: A delayed run (docs/api.md, "Delayed runs"), at most one set: runs.not_before.
     delay_s: float | None = None  # seconds after the reservation's ledger clock
     not_before: float | None = None
+    #: Its task's queue (docs/tasks.md, "Queues"): runs.queue.
+    queue: str = "default"
 
 
 @dataclass(frozen=True)
@@ -144,12 +146,12 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
     row = conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
         "metadata, callback_url, fingerprint, fingerprint_version, retry_of, not_before, "
-        "priority, status, attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, "
-        f"?, ?, ?, ?, COALESCE({NOW} + ?, ?), ?, 'queued', 1, {NOW}, {NOW} WHERE COALESCE("
-        "(SELECT active_runs FROM profiles WHERE id = ?), 0) < ? RETURNING *",
+        "priority, queue, status, attempt, created_at, updated_at) SELECT ?, ?, ?, ?, ?, ?, "
+        f"?, ?, ?, ?, ?, ?, COALESCE({NOW} + ?, ?), ?, ?, 'queued', 1, {NOW}, {NOW} WHERE "
+        "COALESCE((SELECT active_runs FROM profiles WHERE id = ?), 0) < ? RETURNING *",
         (run_id, *scope, req.task, req.input_json, req.session_key, req.trigger_id,
          req.metadata_json, req.callback_url, req.fingerprint, req.fingerprint_version,
-         req.retry_of, req.delay_s, req.not_before, req.priority, scope[0],
+         req.retry_of, req.delay_s, req.not_before, req.priority, req.queue, scope[0],
          max_active_runs)).fetchone()
     if row is None:
         raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "

@@ -30,7 +30,7 @@ _RUN_COLUMNS = ("seq", "id", "profile_id", "key_id", "task", "input", "session_k
                 "updated_at", "started_at", "finished_at", "approval", "owner_node",
                 "owner_generation", "owner_pid", "owner_thread", "lease_expires_at",
                 "interruption", "slot_wait_since", "retry_of", "task_wait_since",
-                "wait_profile_cap", "wait_task_limit", "not_before", "priority")
+                "wait_profile_cap", "wait_task_limit", "not_before", "priority", "queue")
 _QUEUED_EVENT = json.dumps({"attempt": 1}, separators=(",", ":"))
 
 
@@ -75,13 +75,14 @@ def _insert_runs(conn: sqlite3.Connection, fresh: Fresh, now: float) -> int:
         args += (run_id, req.principal.profile_id, req.principal.key_id, req.task,
                  req.input_json, req.session_key, req.trigger_id, req.metadata_json,
                  req.callback_url, req.fingerprint, req.fingerprint_version, req.retry_of,
-                 not_before(req, now), req.priority, now, now)
+                 not_before(req, now), req.priority, req.queue, now, now)
     # (After an INSERT, lastrowid is the last new row's id: never None.)
     return cast(int, conn.execute(
         "INSERT INTO runs (id, profile_id, key_id, task, input, session_key, trigger_id, "
         "metadata, callback_url, fingerprint, fingerprint_version, retry_of, not_before, "
-        "priority, created_at, updated_at, status, attempt) VALUES "
-        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"] * len(fresh)),
+        "priority, queue, created_at, updated_at, status, attempt) VALUES "
+        + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 1)"]
+                    * len(fresh)),
         args).lastrowid)
 
 
@@ -134,7 +135,8 @@ def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[s
                session_key=req.session_key, trigger_id=req.trigger_id,
                metadata=req.metadata_json, callback_url=req.callback_url,
                fingerprint=req.fingerprint, fingerprint_version=req.fingerprint_version,
-               retry_of=req.retry_of, priority=req.priority, status="queued", attempt=1,
+               retry_of=req.retry_of, priority=req.priority, queue=req.queue,
+               status="queued", attempt=1,
                recovery_attempts=0, created_at=now, updated_at=now,
                not_before=not_before(req, now))
     return run

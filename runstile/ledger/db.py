@@ -218,11 +218,11 @@ class LedgerConnection(sqlite3.Connection):
 
 
 def owe_publish(conn: sqlite3.Connection, dispatch_id: int, run_id: str,
-                delay_s: float = 0.0, priority: int = 5) -> None:
+                delay_s: float = 0.0, priority: int = 5, queue: str = "default") -> None:
     """The transaction in progress wrote dispatch record ``dispatch_id`` unsent (of a run
-    of ``priority``, which its message carries)."""
+    of ``priority`` on ``queue``, which its message carries and goes to)."""
     if isinstance(conn, LedgerConnection):
-        conn.owed.publish.append((dispatch_id, run_id, delay_s, priority))
+        conn.owed.publish.append((dispatch_id, run_id, delay_s, priority, queue))
 
 
 def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:

@@ -25,8 +25,9 @@ from .sessions import CLAIMABLE
 
 def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
            created_since: float | None = None,
-           run_ids: Sequence[str] | None = None) -> list[tuple[int, str, float | None, int]]:
-    """``(dispatch id, run id, the run's not_before, the run's priority)`` of unsent
+           run_ids: Sequence[str] | None = None,
+           ) -> list[tuple[int, str, float | None, int, str]]:
+    """``(dispatch id, run id, the run's not_before, priority and queue)`` of unsent
     records whose run is still queued, oldest first (a delayed run's record is published
     delayed).
 
@@ -49,10 +50,10 @@ def unsent(conn: sqlite3.Connection, *, limit: int, older_than_s: float = 0.0,
         args += list(run_ids)
     with db.ledger_errors():
         rows = conn.execute(
-            "SELECT d.id, d.run_id, r.not_before, r.priority FROM dispatches d JOIN runs r "
-            f"ON r.id = d.run_id WHERE {' AND '.join(clauses)} ORDER BY d.created_at, d.id "
-            "LIMIT ?", (*args, limit)).fetchall()
-    return [(row[0], row[1], row[2], row[3]) for row in rows]
+            "SELECT d.id, d.run_id, r.not_before, r.priority, r.queue FROM dispatches d "
+            f"JOIN runs r ON r.id = d.run_id WHERE {' AND '.join(clauses)} ORDER BY "
+            "d.created_at, d.id LIMIT ?", (*args, limit)).fetchall()
+    return [(row[0], row[1], row[2], row[3], row[4]) for row in rows]
 
 
 def mark_sent(conn: sqlite3.Connection, dispatch_id: int, *, live_in_s: float = 0.0) -> bool:

@@ -34,6 +34,7 @@ MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (6, _script("schema_v6_task_slots.sql")),  # runs waiting for a slot of their task
     (7, _script("schema_v7_not_before.sql")),  # delayed runs: not claimed before this time
     (8, _script("schema_v8_priority.sql")),  # run priority
+    (9, _script("schema_v9_queue.sql")),  # the queue a run travels on
     (10, _script("schema_v10_schedules.sql")),  # schedules' durable state (pause, progress)
 ]
 

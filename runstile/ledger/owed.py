@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 class Owed:
     """What the committed transactions of one connection owe, in the order written."""
 
-    #: ``(dispatch id, run id, delay in seconds, run priority)`` of dispatch records
-    #: written unsent: a publisher sends each after the commit (Redis, RabbitMQ).
-    publish: list[tuple[int, str, float, int]] = field(default_factory=list)
+    #: ``(dispatch id, run id, delay in seconds, run priority, run queue)`` of dispatch
+    #: records written unsent: a publisher sends each after the commit (Redis, RabbitMQ).
+    publish: list[tuple[int, str, float, int, str]] = field(default_factory=list)
     #: Runs whose transaction may have created a delivery obligation: a deliverer
     #: message is owed for each pending one (a run listed twice is sent once).
     deliveries: list[str] = field(default_factory=list)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, cast
 
+from .. import tasks as registry
 from ..errors import (
     InvalidCallbackUrl,
     InvalidIdempotencyKey,
@@ -236,6 +237,7 @@ def build(request: Request, principal: Principal, *, settings: Settings,
         priority=DEFAULT_PRIORITY if fields["priority"] is None else fields["priority"],
         delay_s=None if fields["delay_s"] is None else float(fields["delay_s"]),
         not_before=None if not_before is None else delay.unix_seconds(not_before),
+        queue=registry.queue_of(task),
     ), _refusal(fields["callback_url"], task, task_names, settings.callback_allowlist)
 
 
@@ -267,7 +269,7 @@ def build_retry(original: dict[str, Any], caller: Principal, key: str | None, *,
         callback_url=original["callback_url"],
         fingerprint=fingerprint(normalised, RETRY_FIELDS),
         fingerprint_version=FINGERPRINT_VERSION, retry_of=original["id"],
-        priority=original["priority"],
+        priority=original["priority"], queue=registry.queue_of(original["task"]),
     ), _refusal(original["callback_url"], original["task"], task_names,
                 settings.callback_allowlist)
 

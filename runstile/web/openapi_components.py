@@ -12,6 +12,7 @@ from typing import Any
 from ..ledger.broker_queue import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from ..ledger.states import RunStatus
 from ..netguard import MAX_URL_LENGTH
+from ..queues import QUEUE_PATTERN
 from . import admission, delay
 
 #: A JSON object of the document (a schema, a path item, an operation, a response...).
@@ -106,6 +107,7 @@ def run_schema() -> JSONObject:
             "attempt": {"type": "integer", "minimum": 1},
             "retry_of": {**RUN_ID, "type": ["string", "null"]}, "not_before": TIME,
             "priority": {"type": "integer", "minimum": MIN_PRIORITY, "maximum": MAX_PRIORITY},
+            "queue": {"type": "string", "pattern": f"^{QUEUE_PATTERN}$"},
             "result": {},
             "error": {"type": ["object", "null"],
                       "properties": {"code": TEXT, "message": TEXT}},

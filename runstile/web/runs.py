@@ -16,6 +16,7 @@ from ..ledger import events, execution, journal, runs
 from ..ledger.admission import AdmissionRequest, Admitted, admit
 from ..ledger.states import RETRYABLE, RunStatus
 from ..objects import event_object, parse_rfc3339, run_object, step_object
+from ..queues import queue_of
 from . import admission, metrics, openapi, streams
 from .auth import authenticate, principal
 from .state import conn, state
@@ -94,7 +95,8 @@ def _admit(web: WebState, req: AdmissionRequest, refusal: RunstileError | None) 
         # reservation stored (docs/api.md, "Delayed runs").
         dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
                          delay_s=dispatch.publish_wait(admitted.run),
-                         priority=dispatch.priority_of(admitted.run), mark=web.committer.run)
+                         priority=dispatch.priority_of(admitted.run),
+                         queue=queue_of(admitted.run), mark=web.committer.run)
     return admitted
 
 

@@ -25,6 +25,7 @@ from ..jsondepth import MAX_DEPTH
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
+from ..queues import DEFAULT_QUEUE
 from . import metrics
 from .context import (
     ApprovalParked,
@@ -66,12 +67,13 @@ class Executor:
     def owner(self) -> Owner:
         return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
 
-    def __call__(self, run_id: str, dispatch_id: int | None = None) -> None:
+    def __call__(self, run_id: str, dispatch_id: int | None = None,
+                 queue: str = DEFAULT_QUEUE) -> None:
         # Every log line of this message, the task body's own included, names the run.
         with logs.run_context(run_id):
-            self._execute(run_id, dispatch_id)
+            self._execute(run_id, dispatch_id, queue)
 
-    def _execute(self, run_id: str, dispatch_id: int | None) -> None:
+    def _execute(self, run_id: str, dispatch_id: int | None, queue: str) -> None:
         owner = self.owner()
         conn = self.pool.get()
         try:
@@ -86,7 +88,7 @@ class Executor:
             log.warning("run %s: claim failed (%s); retrying in %d ms", run_id, exc.message,
                         CLAIM_RETRY_DELAY_MS)
             self.pool.discard()
-            self.broker.enqueue(dispatch.message_for(run_id, dispatch_id),
+            self.broker.enqueue(dispatch.message_for(run_id, dispatch_id, queue=queue),
                                 delay=CLAIM_RETRY_DELAY_MS)
             return
         crashpoints.hit(self.settings, "after_claim")
@@ -231,12 +233,16 @@ class Executor:
 def declare(broker: dramatiq.Broker, executor: Executor) -> dramatiq.Actor:
     """Bind the executor to ``broker`` as the actor dispatch.ACTOR on dispatch.QUEUE.
 
-    No retry or time-limit options: those are ledger transitions, never Dramatiq's (the
+    The actor's queue is only where ``.send()`` would put a message: runstile writes a
+    run's message to its queue's broker queue (dispatch.message_for), and a worker runs
+    a message by its actor name whichever queue it came from (workers/pools.py).  No
+    retry or time-limit options: those are ledger transitions, never Dramatiq's (the
     broker's middleware list leaves Retries and TimeLimit out, so the options do not
     even exist).
     """
-    def runstile_execute(run_id: str, dispatch_id: int | None = None) -> None:
-        executor(run_id, dispatch_id)
+    def runstile_execute(run_id: str, dispatch_id: int | None = None,
+                         queue: str = DEFAULT_QUEUE) -> None:
+        executor(run_id, dispatch_id, queue)
 
     return dramatiq.actor(actor_name=dispatch.ACTOR, queue_name=dispatch.QUEUE,
                           broker=broker)(runstile_execute)

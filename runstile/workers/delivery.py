@@ -25,6 +25,7 @@ from ..errors import LedgerUnavailable
 from ..ledger import obligations, webhook_secrets
 from ..ledger.db import ConnectionPool
 from ..objects import rfc3339, run_object
+from ..queues import DELIVERY_QUEUE
 from . import metrics
 
 log = logging.getLogger("runstile.delivery")
@@ -132,9 +133,10 @@ class Deliverer:
 
 
 def declare(broker: dramatiq.Broker, deliverer: Deliverer) -> dramatiq.Actor:
-    """Bind the deliverer to ``broker`` as dispatch.DELIVER_ACTOR on dispatch.QUEUE."""
+    """Bind the deliverer to ``broker`` as dispatch.DELIVER_ACTOR on the deliveries' own
+    broker queue (runstile/queues.py), which every worker process consumes."""
     def runstile_deliver(obligation_id: str) -> None:
         deliverer(obligation_id)
 
-    return dramatiq.actor(actor_name=dispatch.DELIVER_ACTOR, queue_name=dispatch.QUEUE,
+    return dramatiq.actor(actor_name=dispatch.DELIVER_ACTOR, queue_name=DELIVERY_QUEUE,
                           broker=broker)(runstile_deliver)

@@ -21,7 +21,7 @@ from ..errors import RunstileError
 from ..ledger import recovery
 from ..ledger.db import ConnectionPool
 from ..signals import StopSignals
-from . import actors, delivery
+from . import actors, delivery, pools
 from .broker import make_broker
 from .lease import Executions, LeaseKeeper
 
@@ -37,6 +37,9 @@ def run(settings: Settings, generation: int) -> int:
     logs.configure(settings.log_format, node=settings.node_id,
                    text_format="%(asctime)s %(levelname)s [worker %(process)d] %(message)s")
     registry.load(settings.tasks)
+    # Checked by `up` and `worker` before they start anything; again here, for a process
+    # started by hand (a refusal is a ConfigError: exit 2).
+    plan = pools.plan(settings, registry.queues())
     # One dispatcher per process; every connection of its pool settles with it.
     dispatcher = dispatch.Dispatcher(settings)
     pool = dispatcher.pool()
@@ -53,21 +56,19 @@ def run(settings: Settings, generation: int) -> int:
     # Before the first message: a stop signal from now on is a drain (never an
     # Event.set() in a handler, which can deadlock: see runstile/signals.py).
     signals = StopSignals()
-    worker = dramatiq.Worker(broker, worker_threads=settings.threads,
-                             worker_timeout=CONSUMER_TIMEOUT_MS)
-    worker.start()
-    log.info("worker up: node %s generation %d, %d threads", settings.node_id, generation,
-             settings.threads)
+    workers = pools.start(broker, plan, worker_timeout_ms=CONSUMER_TIMEOUT_MS)
+    log.info("worker up: node %s generation %d, threads by queue: %s", settings.node_id,
+             generation, pools.describe(plan))
     while not signals.wait(SIGNAL_POLL_S):
         pass
-    drain(settings, worker, executions, pool, generation)
+    drain(settings, workers, executions, pool, generation)
     keeper.stop()
     logging.shutdown()
     # Do not wait for abandoned body threads (docs/operations.md, "Signals").
     os._exit(0)
 
 
-def drain(settings: Settings, worker: dramatiq.Worker, executions: Executions,
+def drain(settings: Settings, workers: list[dramatiq.Worker], executions: Executions,
           pool: ConnectionPool, generation: int) -> None:
     """Stop consuming, let running bodies finish for up to the drain timeout
     (heartbeats go on), then mark every run still in flight as a controlled interruption
@@ -75,9 +76,12 @@ def drain(settings: Settings, worker: dramatiq.Worker, executions: Executions,
     log.info("draining: no new messages; waiting up to %.1fs for %d running bodies",
              settings.drain_timeout_s, len(executions.snapshot()))
     # Dramatiq's stop lets worker threads finish and puts prefetched messages back; it
-    # runs beside us because it may wait longer than our drain timeout.
-    threading.Thread(target=worker.stop, kwargs={"timeout": int(settings.drain_timeout_s * 1000)},
-                     name="runstile-dramatiq-stop", daemon=True).start()
+    # runs beside us because it may wait longer than our drain timeout.  Every pool's
+    # Worker stops at once: one busy pool must not hold the others' messages.
+    for worker in workers:
+        threading.Thread(target=worker.stop,
+                         kwargs={"timeout": int(settings.drain_timeout_s * 1000)},
+                         name="runstile-dramatiq-stop", daemon=True).start()
     deadline = time.monotonic() + settings.drain_timeout_s
     while executions.snapshot() and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -28,7 +28,7 @@ from ..fingerprint import FINGERPRINT_VERSION, NotCanonicalisable, fields_for, f
 from ..ledger import schedules as ledger
 from ..ledger.admission import AdmissionRequest, Reservation
 from ..ledger.keys import Principal, schedule_key_id
-from ..tasks import ScheduleSpec
+from ..tasks import ScheduleSpec, queue_of
 
 log = logging.getLogger("runstile.scheduler")
 
@@ -61,7 +61,7 @@ def template(spec: ScheduleSpec) -> AdmissionRequest:
         key=None, key_is_derived=False, run_id=None, task=spec.task,
         input_json=compact_json(spec.input), session_key=None, trigger_id=None,
         metadata_json=compact_json(metadata), callback_url=None, fingerprint=digest,
-        fingerprint_version=FINGERPRINT_VERSION)
+        fingerprint_version=FINGERPRINT_VERSION, queue=queue_of(spec.task))
 
 
 class Scheduler:

@@ -24,10 +24,10 @@ def test_get_returns_the_full_run_object(api):
     run = api.get(f"/v1/runs/{rid}").json()
     assert set(run) == {"object", "id", "status", "task", "input", "session_key", "trigger_id",
                         "metadata", "callback_url", "created_at", "updated_at", "started_at",
-                        "finished_at", "attempt", "retry_of", "not_before", "priority", "result",
-                        "error",
-                        "approval", "recovery"}
+                        "finished_at", "attempt", "retry_of", "not_before", "priority", "queue",
+                        "result", "error", "approval", "recovery"}
     assert run["object"] == "run" and run["id"] == rid and run["status"] == "queued"
+    assert run["queue"] == "default"
     assert run["retry_of"] is None and run["not_before"] is None
     assert run["metadata"] == {"team": "red"} and run["trigger_id"] == "t-1"
     assert run["created_at"].endswith("Z")

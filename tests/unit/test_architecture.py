@@ -18,12 +18,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "runstile"
 #: Which runstile modules each part may import (by first name under ``runstile.``).
 #: Imports point one way: foundations -> ledger -> dispatch -> web | workers | recovery
 #: -> up -> cli.  ``client`` stands apart: it imports nothing of the server side.
-FOUNDATIONS = {"errors", "config", "crashpoints", "filemodes", "fingerprint", "jsondepth",
-               "netguard", "nodelock", "objects", "signals", "tasks", "ticks", "webhooks",
-               "logs", "__version__"}
+FOUNDATIONS = {"errors", "config", "config_values", "crashpoints", "filemodes", "fingerprint", "jsondepth",
+               "netguard", "nodelock", "objects", "queues", "signals", "tasks", "ticks",
+               "webhooks", "logs", "__version__"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"errors"},
+    "config": {"config_values", "errors"},
+    "config_values": {"errors", "queues"},  # the settings' parsers, for config
     "crashpoints": {"config"},
     "fingerprint": {"errors"},
     "jsondepth": set(),
@@ -33,13 +34,14 @@ ALLOWED: dict[str, set[str]] = {
     "netguard": {"errors"},
     "nodelock": {"errors", "filemodes"},
     "objects": {"errors", "jsondepth"},
-    "tasks": {"errors", "ticks"},
+    "queues": {"errors"},  # queue names and their broker queues
+    "tasks": {"errors", "queues", "ticks"},
     "ticks": {"errors"},  # a schedule's tick arithmetic (croniter), for tasks
     "webhooks": {"errors", "netguard"},
     "client": {"errors"},
     "ledger": {"errors", "filemodes", "jsondepth"},
     "rabbitmq": set(),  # Dramatiq's RabbitMQ broker with run priority, for dispatch
-    "dispatch": {"config", "errors", "ledger", "rabbitmq"},
+    "dispatch": {"config", "errors", "ledger", "queues", "rabbitmq"},
     "web": FOUNDATIONS | {"ledger", "dispatch"},
     "workers": FOUNDATIONS | {"ledger", "dispatch"},
     "recovery": FOUNDATIONS | {"ledger", "dispatch"},

@@ -57,8 +57,8 @@ def test_a_finish_that_frees_a_session_owes_the_next_runs_publish_and_pays_it_on
     execution.finish(owing.conn, first, OWNER, status="completed", result_json="1",
                      enqueue=AFTER_COMMIT)
     assert len(owing.paid) == 1
-    [(dispatch_id, run_id, delay_s, priority)] = owing.paid[0].publish
-    assert (run_id, delay_s, priority) == (second, 0.0, 5)
+    [(dispatch_id, run_id, delay_s, priority, queue)] = owing.paid[0].publish
+    assert (run_id, delay_s, priority, queue) == (second, 0.0, 5, "default")
     sent_at = owing.conn.execute("SELECT sent_at FROM dispatches WHERE id = ?",
                                  (dispatch_id,)).fetchone()[0]
     assert sent_at is None  # unsent until a publisher marks it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from runstile import tasks as registry
 from runstile.ledger import schedules
 from runstile.ledger.admission import Reservation
 from runstile.ledger.keys import authenticate, schedule_key_id
@@ -72,3 +73,12 @@ def test_the_schedule_key_is_revoked_and_has_no_secret(conn):
     assert row["revoked_at"] is not None and row["role"] == "client"
     forged = f"rsk_{schedule_key_id('default').removeprefix('key_')}_{'A' * 43}"
     assert authenticate(conn, forged) is None
+
+
+def test_a_schedules_runs_travel_on_their_tasks_queue(conn):
+    registry.load(("tests.workers.exec_tasks",))  # t.slow_gate is declared on queue "slow"
+    spec = replace(SPEC, task="t.slow_gate")
+    assert template(spec).queue == "slow"
+    schedules.ensure(conn, [("nightly", "default")])
+    admitted = schedules.admit_tick(conn, "nightly", TICK, reservation(spec))
+    assert admitted is not None and admitted.run["queue"] == "slow"

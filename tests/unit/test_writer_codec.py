@@ -47,8 +47,8 @@ def test_the_wire_keeps_its_order_so_a_web_process_and_a_writer_of_one_install_a
     assert writer.encode_request(sent) == writer._dumps([
         "acme", "k1", "client", "ik-1", False, "run_" + "c" * 32, "echo",
         '{"text":"héllo \\u2028","n":[1,2.5,null]}', "s", None, '{"a":"b"}',
-        "https://example.com/hook", "f" * 64, 1, None, 5, None, None, None, 10_000,
-        False]).encode()
+        "https://example.com/hook", "f" * 64, 1, None, 5, None, None, "default", None,
+        10_000, False]).encode()
 
 
 def test_a_retrys_request_travels_with_the_run_it_retries():
@@ -56,7 +56,7 @@ def test_a_retrys_request_travels_with_the_run_it_retries():
     other: it goes over the wire in its place and comes back in the writer's reservation."""
     sent = reservation(retry_of="run_" + "d" * 32)
     wire = writer.encode_request(sent)
-    assert f'1,"run_{"d" * 32}",5,null,null,null,10000' in wire.decode()
+    assert f'1,"run_{"d" * 32}",5,null,null,"default",null,10000' in wire.decode()
     assert writer.decode_request(wire, None).req == sent.req
     assert writer.decode_request(writer.encode_request(reservation()), None).req.retry_of is None
 
@@ -66,16 +66,25 @@ def test_a_runs_priority_travels_in_its_place_after_retry_of():
     field of AdmissionRequest: it follows ``retry_of`` and comes back as sent."""
     sent = reservation(priority=9)
     wire = writer.encode_request(sent)
-    assert '1,null,9,null,null,null,10000' in wire.decode()
+    assert '1,null,9,null,null,"default",null,10000' in wire.decode()
+    assert writer.decode_request(wire, None).req == sent.req
+
+
+def test_a_runs_queue_travels_in_its_place_after_not_before():
+    """``queue`` (docs/tasks.md, "Queues"), the task's queue the web process found, goes
+    over the wire after not_before and comes back as sent."""
+    sent = reservation(queue="email")
+    wire = writer.encode_request(sent)
+    assert '1,null,5,null,null,"email",null,10000' in wire.decode()
     assert writer.decode_request(wire, None).req == sent.req
 
 
 def test_a_delayed_runs_request_travels_with_its_delay_or_its_time():
     """``delay_s`` and ``not_before`` (docs/api.md, "Delayed runs") go over the wire in
     their places, after retry_of and priority, and come back in the writer's reservation."""
-    for changes, tail in (({"delay_s": 2.5}, "null,5,2.5,null,null,10000"),
+    for changes, tail in (({"delay_s": 2.5}, 'null,5,2.5,null,"default",null,10000'),
                           ({"not_before": 1_900_000_000.25},
-                           "null,5,null,1900000000.25,null,10000")):
+                           'null,5,null,1900000000.25,"default",null,10000')):
         sent = reservation(**changes)
         wire = writer.encode_request(sent)
         assert f"1,{tail}" in wire.decode()

@@ -313,3 +313,12 @@ def log_time(ctx, input):
     """Logs the wall-clock time its body started at (delayed runs' tests)."""
     log_line(input["log"], f"start {ctx.run_id} {ctx.attempt} {time.time():.6f}")
     return {"n": input.get("n")}
+
+
+@runstile.task("t.slow_gate", queue="slow")
+def slow_gate(ctx, input):
+    """t.gate on the queue ``slow`` (tests/workers/test_queues.py): holds its thread until
+    ``release`` exists (at once without one)."""
+    log_line(input["log"], f"start {ctx.run_id} {input.get('tag', '')}")
+    wait_for(input.get("release"))
+    return input.get("tag")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from runstile import dispatch
+from runstile import dispatch, queues
 from runstile.config import Settings
 from runstile.ledger import broker_queue, db
 from tests.conftest import (
@@ -334,8 +334,11 @@ class SharedRabbitmq(ExternalBroker):
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
         broker = RabbitmqBroker(url=self.url, middleware=[])
         try:
-            broker.declare_queue(dispatch.QUEUE)
-            broker.flush_all()  # the queue, its delay queue and its dead letters
+            # The default queue, deliveries' and the queue tests/workers/test_queues.py
+            # uses: each with its delay queue and its dead letters.
+            for name in (dispatch.QUEUE, queues.DELIVERY_QUEUE, queues.broker_queue("slow")):
+                broker.declare_queue(name)
+            broker.flush_all()
         finally:
             broker.close()
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from runstile import webhooks
+from runstile import queues, webhooks
 from runstile.config import Settings
 from runstile.ledger import admission, execution, obligations, webhook_secrets
 from runstile.ledger.db import ConnectionPool
@@ -212,7 +212,10 @@ def test_recovery_sends_obligations_left_without_a_message_before_reconciling_ru
     _, oid = finished_run(ledger, ledger.key(), hook.url())
     report = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")
     assert report.counts["deliveries_sent"] == 1
-    [body] = ledger.query("SELECT body FROM broker_messages WHERE queue_name = 'runstile'")
+    # On deliveries' own broker queue, never a user queue (docs/architecture.md, "Queues
+    # and thread pools").
+    [body] = ledger.query("SELECT body FROM broker_messages WHERE queue_name = ?",
+                          (queues.DELIVERY_QUEUE,))
     assert json.loads(body[0])["actor_name"] == "runstile_deliver"
     # A second pass does not send it again while its message is live.
     again = reconcile.run_pass(settings_for(ledger), generation=1, trigger="command")

@@ -1,0 +1,11 @@
+-- Migration 9: the queue a run travels on (docs/tasks.md, "Queues"; docs/architecture.md,
+-- "Queues and thread pools").  Registered after 8; numbers taken by other branches may
+-- be missing, and migrations.py tolerates the gap.
+--
+-- runs.queue: its task's queue when it was admitted (the web's registry), 'default' for
+-- every run admitted before this migration.  Written by admission alone
+-- (ledger/admission.py and ledger/admission_rows.py), never updated: every message
+-- runstile writes for the run (a re-queue, a session's next run, recovery's re-publish)
+-- goes to this queue's broker queue (runstile/queues.py), whatever the task's queue is
+-- in the process that writes it.
+ALTER TABLE runs ADD COLUMN queue TEXT NOT NULL DEFAULT 'default';
