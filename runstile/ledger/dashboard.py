@@ -1,5 +1,5 @@
 """Reads the dashboard needs beyond the API's (docs/dashboard.md): a signed-in key by
-id, a run's steps, deliveries across runs, status counts and the node's health.
+id, deliveries across runs, status counts and the node's health.
 
 Only reads: every change the dashboard makes goes through the same ledger functions
 as the API's routes.  Every query that shows runs or deliveries is limited by
@@ -28,17 +28,6 @@ def live_principal(conn: sqlite3.Connection, key_id: str) -> Principal | None:
         row = conn.execute("SELECT id, profile_id, role FROM api_keys "
                            "WHERE id = ? AND revoked_at IS NULL", (key_id,)).fetchone()
     return None if row is None else Principal(row["profile_id"], row["id"], row["role"])
-
-
-def steps(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
-    """The run's journaled steps in call order (emits, deliveries and approvals are
-    shown elsewhere: as events, deliveries and the approval)."""
-    with db.ledger_errors():
-        rows = conn.execute(
-            "SELECT position, name, state, idempotent, attempt, starts, started_at, "
-            "completed_at, result FROM journal WHERE run_id = ? AND kind = 'step' "
-            "ORDER BY position", (run_id,)).fetchall()
-    return [dict(r) for r in rows]
 
 
 def deliveries(conn: sqlite3.Connection, principal: Principal, states: Sequence[str], *,

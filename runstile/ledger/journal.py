@@ -125,11 +125,13 @@ def uncertain_steps(conn: sqlite3.Connection, run_id: str) -> list[str]:
 
 
 def steps(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
-    """A run's ``ctx.step`` rows in call order (docs/api.md, "GET /v1/runs/{run_id}/steps");
-    emits, deliveries and approvals have their own views (events, deliveries, approval)."""
+    """A run's ``ctx.step`` rows in call order (docs/api.md, "GET /v1/runs/{run_id}/steps",
+    and the dashboard's step journal, which also shows ``starts``); emits, deliveries and
+    approvals have their own views (events, deliveries, approval)."""
     with db.ledger_errors():
         rows = conn.execute(
-            "SELECT position, name, state, idempotent, attempt, started_at, completed_at, "
-            "result FROM journal WHERE run_id = ? AND kind = 'step' ORDER BY position",
+            "SELECT position, name, state, idempotent, attempt, starts, started_at, "
+            "completed_at, result FROM journal WHERE run_id = ? AND kind = 'step' "
+            "ORDER BY position",
             (run_id,)).fetchall()
     return [dict(r) for r in rows]

@@ -13,7 +13,7 @@ from flask import render_template, request
 from werkzeug.datastructures import MultiDict
 
 from ...errors import RouteNotFound, RunstileError
-from ...ledger import dashboard, events, obligations, recovery, runs, status
+from ...ledger import dashboard, events, journal, obligations, recovery, runs, status
 from ...ledger.states import RunStatus
 from ..auth import principal
 from ..runs import MAX_METADATA_FILTERS, visible_run
@@ -86,7 +86,7 @@ def run_page(run_id: str) -> str:
     return render_template(
         "run.html", title=f"Run {run_id}", run=run, actions=actions_for(run),
         timeline=events.after(conn(), run_id, 0, limit=500),
-        steps=dashboard.steps(conn(), run_id),
+        steps=journal.steps(conn(), run_id),
         deliveries=obligations.for_run(conn(), run_id),
         retry_token=secrets.token_urlsafe(16))
 
