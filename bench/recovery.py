@@ -183,7 +183,7 @@ def _templates(path: Path) -> dict[str, str]:
         principal = Principal("bench", key_id, "client")
         generation = nodes.boot(conn, DEAD_NODE)
         ledger_recovery.open_barrier(conn, DEAD_NODE, generation)
-        enqueue = dispatch.in_transaction_enqueue(settings)
+        enqueue = dispatch.Dispatcher(settings).in_transaction
         assert enqueue is not None, "the bench ledger uses the embedded broker"
         consumers = []
         for k in range(DEAD_PROCESSES):
