@@ -144,6 +144,22 @@ def has_ready(conn: sqlite3.Connection, queue_name: str) -> bool:
             (queue_name,)).fetchone() is not None
 
 
+def ready_among(conn: sqlite3.Connection, queue_names: Iterable[str]) -> set[str]:
+    """Cheap read: which of ``queue_names`` have a message waiting?  The watcher asks it
+    once per commit it sees, for every consumer of its process
+    (workers/sqlite_broker/watcher.py); each name is one probe of the ready index,
+    however long that queue's backlog."""
+    names = sorted(set(queue_names))
+    if not names:
+        return set()
+    probe = (f"SELECT ? WHERE EXISTS (SELECT 1 FROM broker_messages WHERE queue_name = ? "
+             f"AND state = '{READY}')")
+    with db.ledger_errors():
+        rows = conn.execute(" UNION ALL ".join([probe] * len(names)),
+                            [arg for name in names for arg in (name, name)]).fetchall()
+    return {row[0] for row in rows}
+
+
 def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
           limit: int) -> list[sqlite3.Row]:
     """Claim up to ``limit`` ready rows for one consumer: highest priority first, then

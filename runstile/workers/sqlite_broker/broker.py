@@ -208,7 +208,7 @@ class SQLiteBroker(Broker):
         except RunstileError:
             self.pool.discard()
             raise
-        self._poke_local()
+        self._poke_local(stored.queue_name)
         self.emit_after("enqueue", stored, delay)
         return stored
 
@@ -222,11 +222,11 @@ class SQLiteBroker(Broker):
         self.emit_after("enqueue", stored, delay)
         return stored
 
-    def _poke_local(self) -> None:
+    def _poke_local(self, queue_name: str) -> None:
         # Same-process consumers learn of our commit at once instead of at the next poll.
         watcher = self._watcher
         if watcher is not None and watcher.pid == os.getpid():
-            watcher.poke()
+            watcher.poke({queue_name})
 
     # -- test and operator helpers required by Dramatiq -----------------------------
 

@@ -71,6 +71,9 @@ class SQLiteConsumer(Consumer):
         self._etas: dict[int, float] = {}
         self._held_lock = threading.Lock()
         self._closed = False
+        #: Set when there may be work for this consumer: a commit to its queue, a
+        #: released row, a freed prefetch slot, a close (Watcher.poke).
+        self.woken = threading.Event()
         self._watcher = broker.watcher()
         try:
             broker_queue.register_consumer(broker.pool.get(), self.info)
@@ -85,9 +88,9 @@ class SQLiteConsumer(Consumer):
         while True:
             if self._cache:
                 return self._deliver(*self._cache.popleft())
-            # Read the generation before looking: a commit that lands after the look
-            # moves it, so the wait below returns at once instead of missing that commit.
-            seen = self._watcher.generation
+            # Clear the event before looking: a commit that lands after the look sets
+            # it again, so the wait below returns at once instead of missing that commit.
+            self.woken.clear()
             try:
                 if not self._closed:
                     self._fetch()
@@ -105,8 +108,8 @@ class SQLiteConsumer(Consumer):
                 # returning None at its eta starts it then, not up to a timeout later.
                 deadline = time.monotonic() + due
                 remaining = due
-            # Woken by any commit to the ledger (polled), a local ack or close.
-            self._watcher.wait(seen, remaining)
+            # Woken by a commit that left a message on this queue, a local ack or close.
+            self.woken.wait(remaining)
 
     def _fetch(self) -> None:
         with self._held_lock:
@@ -228,4 +231,4 @@ class SQLiteConsumer(Consumer):
             self._held.difference_update(delivery_ids)
             for delivery_id in delivery_ids:
                 self._etas.pop(delivery_id, None)
-        self._watcher.poke()  # a prefetch slot opened; __next__ may fetch again
+        self.woken.set()  # a prefetch slot opened; __next__ may fetch again

@@ -26,6 +26,7 @@ import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from dramatiq.errors import ConnectionClosed
@@ -113,8 +114,6 @@ class Watcher:
         self.cond = threading.Condition()
         #: Held by a heartbeat and by a consumer's close (see SQLiteConsumer.close).
         self.beat_lock = threading.Lock()
-        #: Grows at every wake-up reason; consumers wait for it to change.
-        self.generation = 0
         self.consumers: dict[str, SQLiteConsumer] = {}
         self.thread: threading.Thread | None = None
         self._stopping = False
@@ -140,14 +139,31 @@ class Watcher:
             if not self.consumers:
                 self._interrupt()  # let the thread exit now
 
-    def poke(self) -> None:
-        with self.cond:
-            self.generation += 1
-            self.cond.notify_all()
+    def poke(self, queue_names: Collection[str] | None = None) -> None:
+        """Wake the consumers of ``queue_names`` (every consumer when None).
 
-    def wait(self, seen: int, timeout_s: float) -> None:
+        Each consumer waits on an event of its own, so a wake-up meant for one queue
+        costs the others nothing: a process consumes each queue, its delay queue and
+        the deliveries' queues (workers/pools.py), and a commit that wakes them all
+        would cost every run a thread switch per consumer."""
         with self.cond:
-            self.cond.wait_for(lambda: self.generation != seen, timeout_s)
+            woken = [c for c in self.consumers.values()
+                     if queue_names is None or c.queue_name in queue_names]
+        for consumer in woken:
+            consumer.woken.set()
+
+    def _wake_ready(self, conn: sqlite3.Connection) -> None:
+        """Another connection committed: wake the consumers whose queue has a message.
+
+        Why no consumer sleeps through one: a consumer clears its event *before* it
+        looks for messages, so a message committed after its look is committed after
+        the clear; its commit moves data_version, which this thread sees afterwards and
+        answers with this read, which shows the message and sets the event."""
+        with self.cond:
+            names = {c.queue_name for c in self.consumers.values()}
+        ready = broker_queue.ready_among(conn, names)
+        if ready:
+            self.poke(ready)
 
     def stop(self) -> None:
         """Stop the thread for good (the broker makes a new watcher if it consumes again)."""
@@ -227,7 +243,8 @@ class Watcher:
             _drain_pipe(self._wake_r)
         written = loop.notifier.drain() if loop.notifier is not None else False
         if loop.observe(written):
-            self.poke()
+            assert loop.conn is not None  # opened above
+            self._wake_ready(loop.conn)
 
     def _beat(self, conn: sqlite3.Connection) -> None:
         # Under beat_lock: a consumer's close takes it too, so a heartbeat already under
