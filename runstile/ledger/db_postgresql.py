@@ -1,0 +1,376 @@
+"""The PostgreSQL ledger's connection (docs/architecture.md, "Two dialects, one ledger").
+
+:class:`PgConnection` presents what the ledger functions use of an ``sqlite3``
+connection: ``execute(sql, params)`` with SQLite's placeholders, rows read as
+``row[0]`` or ``row["name"]``, ``rowcount``, ``lastrowid``, ``in_transaction``, and
+the after-commit bookkeeping of ``db.LedgerConnection``.  Each statement text is
+translated once (:func:`translate`, cached) and errors are classified at the source
+(:func:`classify`), so the ledger modules never see a psycopg exception.
+
+Write transactions: ``BEGIN`` then ``pg_advisory_xact_lock(WRITER_LOCK)``, one key for
+the whole ledger.  Writers are thus serialized exactly as SQLite's ``BEGIN IMMEDIATE``
+serializes them, and each statement after the lock (READ COMMITTED) sees every
+transaction committed before it: every guarded UPDATE's read-then-write argument made for
+SQLite holds unchanged.  ``lock_timeout`` plays ``busy_timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import psycopg_pool
+from psycopg import errors as pg_errors
+from psycopg.adapt import Dumper
+from psycopg.pq import TransactionStatus
+
+from ..errors import LedgerCorrupt, LedgerUnavailable
+from .db_dialect import NOW as SQLITE_NOW
+from .db_dialect import ConstraintViolation, SqliteDialect
+from .owed import Owed
+
+#: The advisory lock every write transaction takes: one writer at a time, ledger-wide.
+WRITER_LOCK = 0x72756E7374696C65  # 'runstile'
+#: The ledger clock: Unix seconds of the statement's start, as SQLite's is per statement.
+NOW = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS double precision)"
+#: A row-id column for inserts whose callers read ``lastrowid`` (SQLite's rowid).
+_ROW_IDS = {"dispatches": "id", "broker_messages": "id", "recovery_reports": "id",
+            "runs": "seq"}
+
+
+def redact(url: str) -> str:
+    """The URL without its password: for logs, errors and reprs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class PostgresDialect(SqliteDialect):
+    """PostgreSQL's spelling (see db_dialect.SqliteDialect for what each one means)."""
+
+    name = "postgresql"
+    now = NOW
+    text_param = "CAST(? AS text)"
+    json_param = "CAST(? AS json)"
+    checkpoint = None
+
+    def pass_setup(self, cache_kib: int) -> list[str]:
+        return []  # the server's memory settings are the operator's
+
+    def json_array_values(self, param: str = "?") -> str:
+        return f"(SELECT json_array_elements_text(CAST({param} AS json)))"
+
+    def json_rows(self, param: str, alias: str) -> str:
+        return f"json_array_elements(CAST({param} AS json)) AS {alias}"
+
+    def json_at(self, expr: str, index: int, sql_type: str) -> str:
+        pg_type = {"INTEGER": "bigint", "REAL": "double precision"}.get(sql_type, "text")
+        return f"CAST({expr} ->> {int(index)} AS {pg_type})"
+
+    def json_object(self, pairs: str) -> str:
+        return f"CAST(json_build_object({pairs}) AS text)"
+
+    def json_text(self, column: str, key: str) -> str:
+        return f"(CAST({column} AS json) ->> '{key}')"
+
+    def json_set(self, column: str, pairs: list[tuple[str, str]]) -> str:
+        sets = ", ".join(f"'{key}', {value}" for key, value in pairs)
+        return f"CAST(CAST({column} AS jsonb) || jsonb_build_object({sets}) AS text)"
+
+    def metadata_has(self, column: str) -> str:
+        return (f"EXISTS (SELECT 1 FROM jsonb_each(CAST({column} AS jsonb)) AS m "
+                "WHERE m.key = ? AND jsonb_typeof(m.value) = 'string' "
+                "AND m.value #>> '{}' = ?)")
+
+    def greatest(self, first: str, second: str) -> str:
+        return f"GREATEST({first}, {second})"
+
+
+POSTGRESQL = PostgresDialect()
+
+_IS_NOT = re.compile(r"\bIS\s+NOT\s+(?!NULL\b|DISTINCT\b|TRUE\b|FALSE\b)")
+_IS = re.compile(r"\bIS\s+(?!NOT\b|NULL\b|DISTINCT\b|TRUE\b|FALSE\b)")
+_INSERT = re.compile(r"\s*INSERT\s+INTO\s+(\w+)", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=4096)
+def translate(sql: str, many: bool = False) -> tuple[str, str, str | None]:
+    """(PostgreSQL text, placeholder style, row-id column appended as RETURNING).
+
+    The closed list of rewrites: the ledger clock; ``a IS b`` / ``a IS NOT b`` between
+    two values (PostgreSQL's IS takes only NULL/TRUE/FALSE); placeholders ``?``, ``?N``
+    and ``:name`` (outside quotes; ``%`` doubled); and ``RETURNING <rowid>`` on an insert
+    whose caller may read ``lastrowid``.  Anything else is spelled by the dialect object.
+    """
+    text = _IS.sub("IS NOT DISTINCT FROM ", _IS_NOT.sub("IS DISTINCT FROM ",
+                                                       sql.replace(SQLITE_NOW, NOW)))
+    pg_sql, style = _placeholders(text)
+    row_id = None
+    insert = _INSERT.match(pg_sql)
+    if insert and not many and "RETURNING" not in pg_sql.upper():
+        row_id = _ROW_IDS.get(insert.group(1))
+        if row_id is not None:
+            pg_sql += f" RETURNING {row_id}"
+    return pg_sql, style, row_id
+
+
+def _placeholders(text: str) -> tuple[str, str]:
+    """psycopg's placeholders for SQLite's, outside quotes; ``%`` doubled."""
+    out, style, i, quote = [], "positional", 0, ""
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            quote = "" if ch == quote else quote
+            out.append("%%" if ch == "%" else ch)
+        elif ch in "'\"":
+            quote = ch
+            out.append(ch)
+        elif ch == "%":
+            out.append("%%")
+        elif ch == "?":
+            digits = re.match(r"\d+", text[i + 1:])
+            if digits:
+                style = "numbered"
+                out.append(f"%(p{digits.group()})s")
+                i += len(digits.group())
+            else:
+                out.append("%s")
+        elif ch == ":" and re.match(r"[A-Za-z_]", text[i + 1:i + 2]) and text[i - 1] != ":":
+            name = re.match(r"\w+", text[i + 1:]).group()  # type: ignore[union-attr]
+            style = "named"
+            out.append(f"%({name})s")
+            i += len(name)
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out), style
+
+
+def _params(style: str, params: Any) -> Any:
+    if style == "numbered":
+        return {f"p{n}": value for n, value in enumerate(params, start=1)}
+    return params
+
+
+class Row(tuple[Any, ...]):
+    """A result row read by position or by column name, like ``sqlite3.Row``."""
+
+    __slots__ = ()
+    _index: dict[str, int] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return tuple.__getitem__(self, self._index[key])
+        return tuple.__getitem__(self, key)
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_class(names: tuple[str, ...]) -> type[Row]:
+    return type("Row", (Row,), {"__slots__": (), "_index": {n: i for i, n in enumerate(names)}})
+
+
+def _row_factory(cursor: Any) -> Callable[[Sequence[Any]], Any]:
+    if cursor.description is None:
+        return tuple
+    return _row_class(tuple(column.name for column in cursor.description))
+
+
+class _BoolAsUnknown(Dumper):
+    """Python booleans go as untyped '1'/'0': SQLite's ledger stores them in INTEGER
+    columns and also tests them in CASE WHEN; PostgreSQL reads '1' as either."""
+
+    oid = 0
+
+    def dump(self, obj: Any) -> bytes:
+        return b"1" if obj else b"0"
+
+
+def classify(exc: psycopg.Error) -> Exception:
+    """psycopg's error as the ledger's: LedgerUnavailable for storage that is busy or
+    gone (connection lost, lock timeout 55P03, cancel, serialization failure 40001,
+    deadlock 40P01, shutdown), LedgerCorrupt for damage or a dangling reference,
+    ConstraintViolation for a refused write (a race the caller answers), or unchanged."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, pg_errors.ForeignKeyViolation):
+        return LedgerCorrupt(f"the ledger is damaged: {text} (a row names one that does "
+                             f"not exist; `runstile db check` lists them)")
+    if isinstance(exc, psycopg.IntegrityError | pg_errors.RaiseException):
+        return ConstraintViolation(text)
+    if isinstance(exc, pg_errors.DataCorrupted | pg_errors.IndexCorrupted):
+        return LedgerCorrupt(f"the ledger is damaged: {text}")
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return LedgerUnavailable(f"the ledger is unavailable: {text}")
+    return exc
+
+
+@contextlib.contextmanager
+def _classified() -> Iterator[None]:
+    try:
+        yield
+    except psycopg.Error as exc:
+        translated = classify(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+class PgCursor:
+    """What a statement gave back: its rows, rowcount, and the inserted row id."""
+
+    def __init__(self, cursor: psycopg.Cursor[Any], row_id: str | None) -> None:
+        self._cursor = cursor
+        self.rowcount = cursor.rowcount
+        self.lastrowid: int | None = None
+        self.description = cursor.description
+        if row_id is not None:
+            rows = cursor.fetchall()
+            self.lastrowid = rows[-1][0] if rows else None
+
+    def fetchone(self) -> Any:
+        if self.lastrowid is not None or self.description is None:
+            return None
+        with _classified():
+            return self._cursor.fetchone()
+
+    def fetchall(self) -> list[Any]:
+        if self.lastrowid is not None or self.description is None:
+            return []
+        with _classified():
+            return self._cursor.fetchall()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.fetchall())
+
+
+class PgConnection:
+    """One PostgreSQL session in autocommit mode; transactions are explicit."""
+
+    dialect = POSTGRESQL
+    #: Shown where SQLite shows its file: the URL without its password.
+    writer_path: str = ""
+    busy_timeout_s: float = 5.0
+    after_commit: Callable[[Any, Owed], None] | None = None
+    settling: bool = False
+
+    def __init__(self, raw: psycopg.Connection[Any], url: str, busy_timeout_s: float) -> None:
+        self._raw = raw
+        self._trace: Callable[[str], object] | None = None
+        self.owed = Owed()
+        self.writer_path = redact(url)
+        self.busy_timeout_s = busy_timeout_s
+
+    def __repr__(self) -> str:
+        return f"<PgConnection {self.writer_path}>"
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._raw.info.transaction_status in (
+            TransactionStatus.INTRANS, TransactionStatus.INERROR, TransactionStatus.ACTIVE)
+
+    def set_trace_callback(self, trace: Callable[[str], object] | None) -> None:
+        """As sqlite3's: ``trace`` gets each statement sent, its values bound in."""
+        self._trace = trace
+
+    def _traced(self, pg_sql: str, params: Any) -> None:
+        if self._trace is not None:
+            self._trace(psycopg.ClientCursor(self._raw).mogrify(pg_sql, params))
+
+    def execute(self, sql: str, params: Any = ()) -> PgCursor:
+        pg_sql, style, row_id = translate(sql)
+        self._traced(pg_sql, _params(style, params))
+        with _classified():
+            cursor = self._raw.execute(pg_sql, _params(style, params))
+            return PgCursor(cursor, row_id)
+
+    def executemany(self, sql: str, seq: Iterable[Any]) -> PgCursor:
+        pg_sql, style, _ = translate(sql, many=True)
+        rows = [_params(style, p) for p in seq]
+        for row in rows:
+            self._traced(pg_sql, row)
+        with _classified():
+            cursor = self._raw.cursor()
+            cursor.executemany(pg_sql, rows)
+            return PgCursor(cursor, None)
+
+    def execute_script(self, script: str) -> None:
+        """Run a migration script as it is (several statements, no parameters)."""
+        with _classified():
+            self._raw.execute(script.encode("utf-8"))
+
+    def close(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self._raw.close()
+
+    def _rollback(self) -> None:
+        self._traced("ROLLBACK", None)
+        if self.in_transaction:
+            with contextlib.suppress(psycopg.Error):
+                self._raw.execute("ROLLBACK")
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """BEGIN + the ledger's writer lock ... COMMIT (or ROLLBACK and re-raise)."""
+        self._traced("BEGIN", None)
+        with _classified():
+            self._raw.execute("BEGIN")
+            try:
+                self._raw.execute("SELECT pg_advisory_xact_lock(%s)", (WRITER_LOCK,))
+            except BaseException:
+                self._rollback()
+                raise
+        try:
+            yield
+        except BaseException:
+            self._rollback()
+            raise
+        try:
+            self._traced("COMMIT", None)
+            with _classified():
+                self._raw.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    @contextlib.contextmanager
+    def time_limit(self, seconds: float, timeout: Callable[[], Exception]) -> Iterator[None]:
+        """statement_timeout for the statements inside; a cancel becomes ``timeout()``."""
+        self.execute(f"SET statement_timeout = {max(1, int(seconds * 1000))}")
+        try:
+            yield
+        except LedgerUnavailable as exc:
+            if not isinstance(exc.__cause__, pg_errors.QueryCanceled):
+                raise
+            raise timeout() from exc
+        finally:
+            with contextlib.suppress(LedgerUnavailable):
+                self.execute("SET statement_timeout = 0")
+
+
+def connect(url: str, *, busy_timeout_ms: int = 5000) -> PgConnection:
+    """Open one session with runstile's settings.  Never share it across fork()."""
+    with _classified():
+        raw = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
+                              connect_timeout=max(1, busy_timeout_ms // 1000))
+    raw.adapters.register_dumper(bool, _BoolAsUnknown)
+    conn = PgConnection(raw, url, busy_timeout_ms / 1000)
+    conn.execute(f"SET lock_timeout = {int(busy_timeout_ms)}")
+    return conn
+
+
+def pool(url: str, *, size: int, busy_timeout_ms: int = 5000) -> psycopg_pool.ConnectionPool:
+    """A pool of sessions for a process's threads (docs/configuration.md)."""
+    return psycopg_pool.ConnectionPool(
+        url, min_size=1, max_size=size, open=False,
+        kwargs={"autocommit": True, "row_factory": _row_factory,
+                "options": f"-c lock_timeout={int(busy_timeout_ms)}"})
