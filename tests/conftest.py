@@ -144,6 +144,17 @@ def dual_ledger(request, tmp_path):
         yield Ledger(tmp_path / "data", url=url)
 
 
+@pytest.fixture(params=postgres.DIALECTS)
+def ledger_target(request, tmp_path):
+    """Where a ledger not yet migrated would be, once on each engine: an SQLite file's
+    path, and a fresh PostgreSQL database's URL (skipped when there is no server)."""
+    if request.param == "sqlite":
+        yield tmp_path / "ledger.db"
+        return
+    with postgres.fresh_database() as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def shared_ledger(tmp_path_factory) -> Ledger:
     """One ledger per test module; tests isolate themselves with a key (scope) each."""

@@ -30,7 +30,12 @@ def script(version: int) -> str:
 
 def current_version(conn: PgConnection) -> int:
     with db.ledger_errors():
-        if conn.execute("SELECT to_regclass('ledger_meta')").fetchone()[0] is None:
+        # pg_tables, not to_regclass(): a catalog lookup may answer from this session's
+        # cache, which an advisory lock does not refresh, so a process that waited on the
+        # writer lock would not see the table the previous holder created.  A query of
+        # the catalog reads it as of this statement.
+        if not conn.execute("SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = "
+                            "current_schema() AND tablename = 'ledger_meta')").fetchone()[0]:
             return 0
         row = conn.execute(
             "SELECT value FROM ledger_meta WHERE name = 'schema_version'").fetchone()
