@@ -90,6 +90,39 @@ def _broker_url(raw: str) -> str:
     return value
 
 
+#: URL schemes of a PostgreSQL ledger (RUNSTILE_DATABASE_URL).
+DATABASE_URL_SCHEMES = ("postgresql", "postgres")
+#: Variables whose value may hold a password: shown redacted in every error.
+SECRET_VARIABLES = ("RUNSTILE_DATABASE_URL",)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: for logs, errors, reprs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname \
+            else parts.hostname or ""
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    except ValueError:
+        return "<a URL that does not parse>"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def database_url(raw: str) -> str | None:
+    """RUNSTILE_DATABASE_URL / --database-url: a postgresql:// URL, or empty for SQLite."""
+    value = raw.strip()
+    if not value:
+        return None
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme.lower() not in DATABASE_URL_SCHEMES:
+        raise ValueError("must be a postgresql:// URL (unset: the SQLite ledger in the data "
+                         "directory)")
+    _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
+    return value
+
+
 def _tasks(raw: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in raw.split(",") if part.strip())
     if not names:
@@ -157,6 +190,9 @@ class Settings:
     tasks: tuple[str, ...] = ("runstile.demo",)
     #: ``sqlite`` (embedded broker in the ledger), ``redis://…`` or ``amqp://…``.
     broker_url: str = "sqlite"
+    #: A PostgreSQL ledger instead of ``<data_dir>/ledger.db``; kept out of the repr, as
+    #: its password must never reach a log.
+    database_url: str | None = field(default=None, repr=False)
     #: SQLite ``PRAGMA synchronous``; FULL makes every acknowledged commit durable.
     synchronous: str = "FULL"
     #: Milliseconds a ledger write waits for the lock before answering 503.
@@ -241,6 +277,16 @@ class Settings:
     def ledger_path(self) -> Path:
         return self.data_dir / "ledger.db"
 
+    @property
+    def ledger_target(self) -> Path | str:
+        """What opens the ledger: the PostgreSQL URL, else the SQLite file."""
+        return self.database_url or self.ledger_path
+
+    @property
+    def ledger_name(self) -> str:
+        """The ledger as logs and messages may name it (no password)."""
+        return redact_url(self.database_url) if self.database_url else str(self.ledger_path)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Build settings from ``RUNSTILE_*`` variables, then explicit overrides (flags).
@@ -257,7 +303,8 @@ class Settings:
             try:
                 values[attr] = parse(raw)
             except ValueError as exc:
-                raise ConfigError(f"{name}={raw!r} is invalid: {exc}") from None
+                shown = redact_url(raw) if name in SECRET_VARIABLES else raw
+                raise ConfigError(f"{name}={shown!r} is invalid: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         settings.check()
@@ -297,6 +344,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_DATA_DIR": (_path, "data directory"),
     "RUNSTILE_TASKS": (_tasks, "task modules, comma-separated"),
     "RUNSTILE_BROKER_URL": (_broker_url, "broker"),
+    "RUNSTILE_DATABASE_URL": (database_url, "PostgreSQL ledger"),
     "RUNSTILE_SYNCHRONOUS": (_synchronous, "SQLite synchronous level"),
     "RUNSTILE_BUSY_TIMEOUT_MS": (_positive_int, "ledger lock wait, ms"),
     "RUNSTILE_LIST_QUERY_TIMEOUT_MS": (_positive_int, "list query time limit, ms"),

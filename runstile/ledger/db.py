@@ -124,8 +124,8 @@ def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int
     if is_database_url(path):
         # Imported here: psycopg only for a PostgreSQL ledger, so SQLite's start stays quick.
         from . import db_postgresql
-        return cast(sqlite3.Connection,
-                    db_postgresql.connect(str(path), busy_timeout_ms=busy_timeout_ms))
+        return cast(sqlite3.Connection, db_postgresql.connect(
+            str(path), busy_timeout_ms=busy_timeout_ms, readonly=readonly))
     with ledger_errors():
         if readonly:
             uri = f"file:{Path(path).resolve()}?mode=ro"
@@ -144,6 +144,12 @@ def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int
         conn.execute("PRAGMA foreign_keys = ON")
         # WAL is persistent and set by migrations; a reader never needs to change it.
         return conn
+
+
+def ledger_exists(target: Path | str) -> bool:
+    """Whether there is a ledger to open: an SQLite file that exists; a PostgreSQL
+    database always (connecting, and its schema version, tell the rest)."""
+    return is_database_url(target) or Path(target).exists()
 
 
 class WriterGate:
@@ -353,7 +359,7 @@ def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
 class ConnectionPool:
     """One connection per (process, thread), opened lazily after any fork."""
 
-    def __init__(self, path: Path, *, synchronous: str, busy_timeout_ms: int,
+    def __init__(self, path: Path | str, *, synchronous: str, busy_timeout_ms: int,
                  after_commit: AfterCommit | None = None) -> None:
         self.path = path
         self.synchronous = synchronous

@@ -15,6 +15,8 @@ ledger clock :data:`NOW`, and ``IS``/``IS NOT`` between two values.
 
 from __future__ import annotations
 
+from typing import Any
+
 #: URL schemes that name a PostgreSQL ledger (anything else is an SQLite file path).
 POSTGRESQL_SCHEMES = ("postgresql", "postgres")
 
@@ -46,6 +48,33 @@ class SqliteDialect:
 
     #: The statement that copies the WAL back into the file (None: the engine's business).
     checkpoint: str | None = "PRAGMA wal_checkpoint(PASSIVE)"
+
+    def schema_version(self, conn: Any) -> int:
+        """The ledger's schema version (ledger/migrations.py); 0 for an empty ledger."""
+        version: int = conn.execute("PRAGMA user_version").fetchone()[0]
+        return version
+
+    def integrity_problems(self, conn: Any) -> list[str]:
+        """What the engine's own checks find wrong with the stored data (`db check`)."""
+        problems: list[str] = []
+        integrity = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+        if integrity != ["ok"]:
+            problems += [f"integrity: {line}" for line in integrity[:20]]
+        for row in conn.execute("PRAGMA foreign_key_check").fetchall()[:20]:
+            problems.append(f"foreign key: {tuple(row)}")
+        return problems
+
+    def storage_report(self, conn: Any) -> dict[str, str]:
+        """How the engine stores commits, for `db check`'s report."""
+        return {"journal_mode": str(conn.execute("PRAGMA journal_mode").fetchone()[0])}
+
+    def storage_line(self, report: dict[str, Any]) -> str:
+        """The part of `db check`'s first line that says it."""
+        return f"journal {report['journal_mode']}"
+
+    def json_invalid(self, column: str) -> str | None:
+        """A condition: ``column`` holds text that is not JSON (None: not checkable)."""
+        return f"NOT json_valid({column})"
 
     def pass_setup(self, cache_kib: int) -> list[str]:
         """Statements that tune a recovery pass's own connection (ledger/recovery.py)."""

@@ -21,7 +21,7 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import psycopg
 import psycopg_pool
@@ -29,6 +29,7 @@ from psycopg import errors as pg_errors
 from psycopg.adapt import Dumper
 from psycopg.pq import TransactionStatus
 
+from ..config import redact_url
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from .db_dialect import NOW as SQLITE_NOW
 from .db_dialect import ConstraintViolation, SqliteDialect
@@ -43,16 +44,6 @@ _ROW_IDS = {"dispatches": "id", "broker_messages": "id", "recovery_reports": "id
             "runs": "seq"}
 
 
-def redact(url: str) -> str:
-    """The URL without its password: for logs, errors and reprs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 class PostgresDialect(SqliteDialect):
     """PostgreSQL's spelling (see db_dialect.SqliteDialect for what each one means)."""
 
@@ -64,6 +55,33 @@ class PostgresDialect(SqliteDialect):
 
     def pass_setup(self, cache_kib: int) -> list[str]:
         return []  # the server's memory settings are the operator's
+
+    def integrity_problems(self, conn: Any) -> list[str]:
+        # Foreign keys are enforced on every write, and pages checked by the server
+        # (data checksums, amcheck): nothing for runstile to walk here.
+        return []
+
+    def storage_report(self, conn: Any) -> dict[str, str]:
+        return {"synchronous_commit": str(conn.execute("SHOW synchronous_commit").fetchone()[0])}
+
+    def storage_line(self, report: dict[str, Any]) -> str:
+        return f"synchronous_commit {report['synchronous_commit']}"
+
+    def json_invalid(self, column: str) -> str | None:
+        return None  # PostgreSQL 13-15 have no non-raising JSON test (16's pg_input_is_valid)
+
+    def schema_version(self, conn: Any) -> int:
+        """The 'schema_version' row of ledger_meta (PostgreSQL has no user_version)."""
+        # pg_tables, not to_regclass(): a catalog lookup may answer from this session's
+        # cache, which an advisory lock does not refresh, so a process that waited on the
+        # writer lock would not see the table the previous holder created.  A query of
+        # the catalog reads it as of this statement.
+        if not conn.execute("SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = "
+                            "current_schema() AND tablename = 'ledger_meta')").fetchone()[0]:
+            return 0
+        row = conn.execute(
+            "SELECT value FROM ledger_meta WHERE name = 'schema_version'").fetchone()
+        return 0 if row is None else int(row[0])
 
     def json_array_values(self, param: str = "?") -> str:
         return f"(SELECT json_array_elements_text(CAST({param} AS json)))"
@@ -267,7 +285,7 @@ class PgConnection:
         self._raw = raw
         self._trace: Callable[[str], object] | None = None
         self.owed = Owed()
-        self.writer_path = redact(url)
+        self.writer_path = redact_url(url)
         self.busy_timeout_s = busy_timeout_s
 
     def __repr__(self) -> str:
@@ -357,11 +375,22 @@ class PgConnection:
                 self.execute("SET statement_timeout = 0")
 
 
-def connect(url: str, *, busy_timeout_ms: int = 5000) -> PgConnection:
+def connect(url: str, *, busy_timeout_ms: int = 5000,
+            readonly: bool = False) -> PgConnection:
     """Open one session with runstile's settings.  Never share it across fork()."""
-    with _classified():
-        raw = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
-                              connect_timeout=max(1, busy_timeout_ms // 1000))
+    try:
+        with _classified():
+            raw = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
+                                  connect_timeout=max(1, busy_timeout_ms // 1000))
+    except LedgerUnavailable as exc:
+        # The server's message names the host, never the password; drop it anyway in
+        # case a driver ever echoes the URL.
+        password = urlsplit(url).password
+        if password and password in str(exc):
+            raise LedgerUnavailable(str(exc).replace(password, "***")) from None
+        raise
+    if readonly:
+        raw.execute("SET default_transaction_read_only = on")
     raw.adapters.register_dumper(bool, _BoolAsUnknown)
     conn = PgConnection(raw, url, busy_timeout_ms / 1000)
     conn.execute(f"SET lock_timeout = {int(busy_timeout_ms)}")

@@ -16,7 +16,7 @@ from importlib import resources
 
 from ..errors import LedgerCorrupt
 from . import db
-from .db_postgresql import PgConnection
+from .db_postgresql import POSTGRESQL, PgConnection
 
 
 def script(version: int) -> str:
@@ -30,16 +30,7 @@ def script(version: int) -> str:
 
 def current_version(conn: PgConnection) -> int:
     with db.ledger_errors():
-        # pg_tables, not to_regclass(): a catalog lookup may answer from this session's
-        # cache, which an advisory lock does not refresh, so a process that waited on the
-        # writer lock would not see the table the previous holder created.  A query of
-        # the catalog reads it as of this statement.
-        if not conn.execute("SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = "
-                            "current_schema() AND tablename = 'ledger_meta')").fetchone()[0]:
-            return 0
-        row = conn.execute(
-            "SELECT value FROM ledger_meta WHERE name = 'schema_version'").fetchone()
-        return 0 if row is None else int(row[0])
+        return POSTGRESQL.schema_version(conn)
 
 
 def migrate(url: str, versions: list[int], *, busy_timeout_ms: int = 5000) -> int:

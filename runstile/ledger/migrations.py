@@ -58,8 +58,7 @@ def split_statements(script: str) -> list[str]:
 
 def current_version(conn: sqlite3.Connection) -> int:
     with db.ledger_errors():
-        version: int = conn.execute("PRAGMA user_version").fetchone()[0]
-        return version
+        return db.dialect(conn).schema_version(conn)
 
 
 def migrate(path: Path | str, *, synchronous: str = "FULL",

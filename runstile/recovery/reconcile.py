@@ -165,12 +165,12 @@ def _open_migrated(settings: Settings):
     version under the write lock."""
     options: _ConnectOptions = {"synchronous": settings.synchronous,
                                 "busy_timeout_ms": settings.busy_timeout_ms}
-    if not settings.ledger_path.exists():
-        migrations.migrate(settings.ledger_path, **options)
-    conn = recovery.open_pass(settings.ledger_path, **options)
+    if not db.ledger_exists(settings.ledger_target):
+        migrations.migrate(settings.ledger_target, **options)
+    conn = recovery.open_pass(settings.ledger_target, **options)
     try:
         if not migrations.is_current(conn):
-            migrations.migrate(settings.ledger_path, **options)
+            migrations.migrate(settings.ledger_target, **options)
     except BaseException:
         conn.close()
         raise

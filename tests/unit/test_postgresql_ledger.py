@@ -207,7 +207,7 @@ def test_statements_are_translated_once_into_postgresqls_spelling():
 
 
 def test_a_database_url_shows_without_its_password():
-    from runstile.ledger.db_postgresql import redact
+    from runstile.config import redact_url as redact
     assert redact("postgresql://app:s3cret@db.example:5433/runs") == \
         "postgresql://app:***@db.example:5433/runs"
     assert redact("postgresql://app@db/runs") == "postgresql://app@db/runs"

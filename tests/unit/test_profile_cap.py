@@ -66,7 +66,8 @@ def test_a_claim_over_the_profile_cap_waits_and_the_finish_that_frees_the_slot_d
 
 
 def settings_for(ledger, cap: int | None, **changes) -> Settings:
-    return Settings(data_dir=ledger.data_dir, node_id="node-a", max_running_per_profile=cap,
+    return Settings(data_dir=ledger.data_dir, database_url=ledger.url, node_id="node-a",
+                    max_running_per_profile=cap,
                     **changes)
 
 

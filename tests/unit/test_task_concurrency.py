@@ -141,7 +141,7 @@ def test_a_claim_that_lost_its_profile_slot_passes_the_task_slot_it_was_handed_o
 
 
 def settings_for(ledger) -> Settings:
-    return Settings(data_dir=ledger.data_dir, node_id="node-a")
+    return Settings(data_dir=ledger.data_dir, database_url=ledger.url, node_id="node-a")
 
 
 def test_recovery_hands_the_slots_of_a_raised_limit_to_the_oldest_waiting_runs(ledger, conn):
