@@ -358,7 +358,7 @@ def boot(settings: Settings, generation: int) -> Report:
     """Recovery for a new generation, then open the barrier (docs/guarantees.md,
     "4. Recovery barrier")."""
     report = run_pass(settings, generation=generation, trigger="boot")
-    conn = db.connect(settings.ledger_path, synchronous=settings.synchronous,
+    conn = db.connect(settings.ledger_target, synchronous=settings.synchronous,
                       busy_timeout_ms=settings.busy_timeout_ms)
     try:
         recovery.open_barrier(conn, settings.node_id, generation)
