@@ -659,10 +659,12 @@ class PostgresLedgerMachine(LedgerMachine):
 
 
 def test_the_same_sequences_keep_the_invariants_of_a_postgresql_ledger():
-    """The machine above on PostgreSQL (fewer examples: each costs about a second there)."""
+    """The machine above on PostgreSQL: fewer examples, as each costs about a second
+    there, and no shrinking, which replays hundreds of them (past the test's timeout): a
+    failure is reported as found."""
     with postgres.fresh_database() as url:
         PostgresLedgerMachine.database_url = url
         run_state_machine_as_test(PostgresLedgerMachine, settings=settings(
-            max_examples=60, stateful_step_count=30, phases=[Phase.generate], deadline=None, derandomize=True,
-            database=None, suppress_health_check=[HealthCheck.too_slow,
+            max_examples=15, stateful_step_count=30, phases=[Phase.generate], deadline=None,
+            derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow,
                                                   HealthCheck.filter_too_much]))
