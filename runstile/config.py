@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, redact_url
 
 #: The synchronous levels SQLite accepts; FULL is the durable default (docs/guarantees.md, "1. Durable admission").
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -94,20 +94,6 @@ def _broker_url(raw: str) -> str:
 DATABASE_URL_SCHEMES = ("postgresql", "postgres")
 #: Variables whose value may hold a password: shown redacted in every error.
 SECRET_VARIABLES = ("RUNSTILE_DATABASE_URL",)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``: for logs, errors, reprs."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
-        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname \
-            else parts.hostname or ""
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    except ValueError:
-        return "<a URL that does not parse>"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def database_url(raw: str) -> str | None:

@@ -64,7 +64,8 @@ def runs_on_postgresql(fn):
 
 
 def _database_url_flag(raw: str) -> str | None:
-    from ..config import database_url, redact_url
+    from ..config import database_url
+    from ..errors import redact_url
     try:
         return database_url(raw)
     except ValueError as exc:

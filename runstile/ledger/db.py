@@ -27,12 +27,7 @@ from ..filemodes import open_lock, private_file
 from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, is_database_url
 from .owed import Owed
 
-__all__ = ["NOW", "INTEGRITY_ERRORS", "Connection", "SqliteDialect", "dialect",
-           "is_database_url"]
-
-#: A ledger connection: an SQLite one (LedgerConnection) or a PostgreSQL one
-#: (db_postgresql.PgConnection), which presents the same methods.
-Connection = sqlite3.Connection
+__all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "dialect", "is_database_url"]
 
 #: A write refused by a uniqueness or check constraint, on either engine: a race that the
 #: caller answers (a replay, a 409), never a 503.

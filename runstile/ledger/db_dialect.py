@@ -4,12 +4,12 @@ dialects, one ledger").
 The ledger's statements are written once, in SQLite's spelling, which is the default
 engine's and so costs the default nothing.  What cannot be spelled the same on both
 engines is asked of the connection's dialect object (:func:`ledger.db.dialect`): this
-class is SQLite's, and ``db_postgresql.PostgresDialect`` overrides each method with
+class is SQLite's, and ``db_postgresql_dialect.PostgresDialect`` overrides each method with
 PostgreSQL's.  Every method returns SQL text, so a statement is still one f-string at its
 call site and no ledger module branches on the engine.
 
 Besides these, the PostgreSQL connection rewrites a closed list of spellings once per
-statement text (``db_postgresql.translate``): ``?``/``?N``/``:name`` placeholders, the
+statement text (``db_postgresql_dialect.translate``): ``?``/``?N``/``:name`` placeholders, the
 ledger clock :data:`NOW`, and ``IS``/``IS NOT`` between two values.
 """
 

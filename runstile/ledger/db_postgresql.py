@@ -4,7 +4,7 @@
 connection: ``execute(sql, params)`` with SQLite's placeholders, rows read as
 ``row[0]`` or ``row["name"]``, ``rowcount``, ``lastrowid``, ``in_transaction``, and
 the after-commit bookkeeping of ``db.LedgerConnection``.  Each statement text is
-translated once (:func:`translate`, cached) and errors are classified at the source
+translated once (db_postgresql_dialect.translate, cached) and errors are classified at the source
 (:func:`classify`), so the ledger modules never see a psycopg exception.
 
 Write transactions: ``BEGIN`` then ``pg_advisory_xact_lock(WRITER_LOCK)``, one key for
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,155 +28,13 @@ from psycopg import errors as pg_errors
 from psycopg.adapt import Dumper
 from psycopg.pq import TransactionStatus
 
-from ..config import redact_url
-from ..errors import LedgerCorrupt, LedgerUnavailable
-from .db_dialect import NOW as SQLITE_NOW
-from .db_dialect import ConstraintViolation, SqliteDialect
+from ..errors import LedgerCorrupt, LedgerUnavailable, redact_url
+from .db_dialect import ConstraintViolation
+from .db_postgresql_dialect import POSTGRESQL, params_for, translate
 from .owed import Owed
 
 #: The advisory lock every write transaction takes: one writer at a time, ledger-wide.
 WRITER_LOCK = 0x72756E7374696C65  # 'runstile'
-#: The ledger clock: Unix seconds of the statement's start, as SQLite's is per statement.
-NOW = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS double precision)"
-#: A row-id column for inserts whose callers read ``lastrowid`` (SQLite's rowid).
-_ROW_IDS = {"dispatches": "id", "broker_messages": "id", "recovery_reports": "id",
-            "runs": "seq"}
-
-
-class PostgresDialect(SqliteDialect):
-    """PostgreSQL's spelling (see db_dialect.SqliteDialect for what each one means)."""
-
-    name = "postgresql"
-    now = NOW
-    text_param = "CAST(? AS text)"
-    json_param = "CAST(? AS json)"
-    checkpoint = None
-
-    def pass_setup(self, cache_kib: int) -> list[str]:
-        return []  # the server's memory settings are the operator's
-
-    def integrity_problems(self, conn: Any) -> list[str]:
-        # Foreign keys are enforced on every write, and pages checked by the server
-        # (data checksums, amcheck): nothing for runstile to walk here.
-        return []
-
-    def storage_report(self, conn: Any) -> dict[str, str]:
-        return {"synchronous_commit": str(conn.execute("SHOW synchronous_commit").fetchone()[0])}
-
-    def storage_line(self, report: dict[str, Any]) -> str:
-        return f"synchronous_commit {report['synchronous_commit']}"
-
-    def json_invalid(self, column: str) -> str | None:
-        return None  # PostgreSQL 13-15 have no non-raising JSON test (16's pg_input_is_valid)
-
-    def schema_version(self, conn: Any) -> int:
-        """The 'schema_version' row of ledger_meta (PostgreSQL has no user_version)."""
-        # pg_tables, not to_regclass(): a catalog lookup may answer from this session's
-        # cache, which an advisory lock does not refresh, so a process that waited on the
-        # writer lock would not see the table the previous holder created.  A query of
-        # the catalog reads it as of this statement.
-        if not conn.execute("SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = "
-                            "current_schema() AND tablename = 'ledger_meta')").fetchone()[0]:
-            return 0
-        row = conn.execute(
-            "SELECT value FROM ledger_meta WHERE name = 'schema_version'").fetchone()
-        return 0 if row is None else int(row[0])
-
-    def json_array_values(self, param: str = "?") -> str:
-        return f"(SELECT json_array_elements_text(CAST({param} AS json)))"
-
-    def json_rows(self, param: str, alias: str) -> str:
-        return f"json_array_elements(CAST({param} AS json)) AS {alias}"
-
-    def json_at(self, expr: str, index: int, sql_type: str) -> str:
-        pg_type = {"INTEGER": "bigint", "REAL": "double precision"}.get(sql_type, "text")
-        return f"CAST({expr} ->> {int(index)} AS {pg_type})"
-
-    def json_object(self, pairs: str) -> str:
-        return f"CAST(json_build_object({pairs}) AS text)"
-
-    def json_text(self, column: str, key: str) -> str:
-        return f"(CAST({column} AS json) ->> '{key}')"
-
-    def json_set(self, column: str, pairs: list[tuple[str, str]]) -> str:
-        sets = ", ".join(f"'{key}', {value}" for key, value in pairs)
-        return f"CAST(CAST({column} AS jsonb) || jsonb_build_object({sets}) AS text)"
-
-    def metadata_has(self, column: str) -> str:
-        return (f"EXISTS (SELECT 1 FROM jsonb_each(CAST({column} AS jsonb)) AS m "
-                "WHERE m.key = ? AND jsonb_typeof(m.value) = 'string' "
-                "AND m.value #>> '{}' = ?)")
-
-    def greatest(self, first: str, second: str) -> str:
-        return f"GREATEST({first}, {second})"
-
-
-POSTGRESQL = PostgresDialect()
-
-_IS_NOT = re.compile(r"\bIS\s+NOT\s+(?!NULL\b|DISTINCT\b|TRUE\b|FALSE\b)")
-_IS = re.compile(r"\bIS\s+(?!NOT\b|NULL\b|DISTINCT\b|TRUE\b|FALSE\b)")
-_INSERT = re.compile(r"\s*INSERT\s+INTO\s+(\w+)", re.IGNORECASE)
-
-
-@functools.lru_cache(maxsize=4096)
-def translate(sql: str, many: bool = False) -> tuple[str, str, str | None]:
-    """(PostgreSQL text, placeholder style, row-id column appended as RETURNING).
-
-    The closed list of rewrites: the ledger clock; ``a IS b`` / ``a IS NOT b`` between
-    two values (PostgreSQL's IS takes only NULL/TRUE/FALSE); placeholders ``?``, ``?N``
-    and ``:name`` (outside quotes; ``%`` doubled); and ``RETURNING <rowid>`` on an insert
-    whose caller may read ``lastrowid``.  Anything else is spelled by the dialect object.
-    """
-    text = _IS.sub("IS NOT DISTINCT FROM ", _IS_NOT.sub("IS DISTINCT FROM ",
-                                                       sql.replace(SQLITE_NOW, NOW)))
-    pg_sql, style = _placeholders(text)
-    row_id = None
-    insert = _INSERT.match(pg_sql)
-    if insert and not many and "RETURNING" not in pg_sql.upper():
-        row_id = _ROW_IDS.get(insert.group(1))
-        if row_id is not None:
-            pg_sql += f" RETURNING {row_id}"
-    return pg_sql, style, row_id
-
-
-def _placeholders(text: str) -> tuple[str, str]:
-    """psycopg's placeholders for SQLite's, outside quotes; ``%`` doubled."""
-    out, style, i, quote = [], "positional", 0, ""
-    while i < len(text):
-        ch = text[i]
-        if quote:
-            quote = "" if ch == quote else quote
-            out.append("%%" if ch == "%" else ch)
-        elif ch in "'\"":
-            quote = ch
-            out.append(ch)
-        elif ch == "%":
-            out.append("%%")
-        elif ch == "?":
-            digits = re.match(r"\d+", text[i + 1:])
-            if digits:
-                style = "numbered"
-                out.append(f"%(p{digits.group()})s")
-                i += len(digits.group())
-            else:
-                out.append("%s")
-        elif ch == ":" and re.match(r"[A-Za-z_]", text[i + 1:i + 2]) and text[i - 1] != ":":
-            name = re.match(r"\w+", text[i + 1:]).group()  # type: ignore[union-attr]
-            style = "named"
-            out.append(f"%({name})s")
-            i += len(name)
-        else:
-            out.append(ch)
-        i += 1
-    return "".join(out), style
-
-
-def _params(style: str, params: Any) -> Any:
-    if style == "numbered":
-        return {f"p{n}": value for n, value in enumerate(params, start=1)}
-    return params
-
-
 class Row(tuple[Any, ...]):
     """A result row read by position or by column name, like ``sqlite3.Row``."""
 
@@ -306,14 +163,14 @@ class PgConnection:
 
     def execute(self, sql: str, params: Any = ()) -> PgCursor:
         pg_sql, style, row_id = translate(sql)
-        self._traced(pg_sql, _params(style, params))
+        self._traced(pg_sql, params_for(style, params))
         with _classified():
-            cursor = self._raw.execute(pg_sql, _params(style, params))
+            cursor = self._raw.execute(pg_sql, params_for(style, params))
             return PgCursor(cursor, row_id)
 
     def executemany(self, sql: str, seq: Iterable[Any]) -> PgCursor:
         pg_sql, style, _ = translate(sql, many=True)
-        rows = [_params(style, p) for p in seq]
+        rows = [params_for(style, p) for p in seq]
         for row in rows:
             self._traced(pg_sql, row)
         with _classified():
@@ -391,15 +248,39 @@ def connect(url: str, *, busy_timeout_ms: int = 5000,
         raise
     if readonly:
         raw.execute("SET default_transaction_read_only = on")
+    _configure(raw, busy_timeout_ms)
+    return PgConnection(raw, url, busy_timeout_ms / 1000)
+
+
+def _configure(raw: psycopg.Connection[Any], busy_timeout_ms: int) -> None:
+    """What every session of the ledger needs, whether opened alone or by a pool."""
     raw.adapters.register_dumper(bool, _BoolAsUnknown)
-    conn = PgConnection(raw, url, busy_timeout_ms / 1000)
-    conn.execute(f"SET lock_timeout = {int(busy_timeout_ms)}")
-    return conn
+    raw.execute(f"SET lock_timeout = {int(busy_timeout_ms)}")
 
 
-def pool(url: str, *, size: int, busy_timeout_ms: int = 5000) -> psycopg_pool.ConnectionPool:
-    """A pool of sessions for a process's threads (docs/configuration.md)."""
-    return psycopg_pool.ConnectionPool(
-        url, min_size=1, max_size=size, open=False,
-        kwargs={"autocommit": True, "row_factory": _row_factory,
-                "options": f"-c lock_timeout={int(busy_timeout_ms)}"})
+class SessionPool:
+    """Sessions shared by a process's threads (psycopg_pool), for processes with more
+    threads than the server should have connections.  Each borrowed session is a
+    PgConnection set up as :func:`connect` sets one up; a borrower that waits past the
+    busy timeout gets LedgerUnavailable, as a writer waiting for the lock does."""
+
+    def __init__(self, url: str, *, size: int, busy_timeout_ms: int = 5000) -> None:
+        self.url = url
+        self.busy_timeout_s = busy_timeout_ms / 1000
+        self._pool = psycopg_pool.ConnectionPool(
+            url, min_size=1, max_size=size, open=False, timeout=self.busy_timeout_s,
+            kwargs={"autocommit": True, "row_factory": _row_factory},
+            configure=lambda raw: _configure(raw, busy_timeout_ms))
+
+    def open(self) -> None:
+        with _classified():
+            self._pool.open(wait=True, timeout=max(1.0, self.busy_timeout_s))
+
+    def close(self) -> None:
+        self._pool.close()
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[PgConnection]:
+        """Borrow a session; it goes back (rolled back if a transaction was left open)."""
+        with _classified(), self._pool.connection() as raw:
+            yield PgConnection(raw, self.url, self.busy_timeout_s)

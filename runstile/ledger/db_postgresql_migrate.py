@@ -16,7 +16,8 @@ from importlib import resources
 
 from ..errors import LedgerCorrupt
 from . import db
-from .db_postgresql import POSTGRESQL, PgConnection
+from .db_postgresql import PgConnection
+from .db_postgresql_dialect import POSTGRESQL
 
 
 def script(version: int) -> str:

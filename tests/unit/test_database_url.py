@@ -9,8 +9,8 @@ import json
 import pytest
 
 from runstile.cli import main
-from runstile.config import Settings, redact_url
-from runstile.errors import ConfigError
+from runstile.config import Settings
+from runstile.errors import ConfigError, redact_url
 from tests import postgres
 
 SECRET = "hunter2-secret"

@@ -192,7 +192,7 @@ def test_rows_read_by_position_and_by_name_and_booleans_land_as_integers(pg_url)
 
 
 def test_statements_are_translated_once_into_postgresqls_spelling():
-    from runstile.ledger.db_postgresql import NOW, translate
+    from runstile.ledger.db_postgresql_dialect import NOW, translate
     assert translate("SELECT ? WHERE a = 'it''s ?' AND b LIKE '%x'") == (
         "SELECT %s WHERE a = 'it''s ?' AND b LIKE '%%x'", "positional", None)
     assert translate("SELECT ?1, ?2, ?1")[:2] == ("SELECT %(p1)s, %(p2)s, %(p1)s", "numbered")
@@ -207,9 +207,42 @@ def test_statements_are_translated_once_into_postgresqls_spelling():
 
 
 def test_a_database_url_shows_without_its_password():
-    from runstile.config import redact_url as redact
+    from runstile.errors import redact_url as redact
     assert redact("postgresql://app:s3cret@db.example:5433/runs") == \
         "postgresql://app:***@db.example:5433/runs"
     assert redact("postgresql://app@db/runs") == "postgresql://app@db/runs"
     assert db.is_database_url("postgresql://h/d") and db.is_database_url("postgres://h/d")
     assert not db.is_database_url("/var/lib/runstile/ledger.db")
+
+
+def test_threads_share_a_pool_of_sessions_and_a_borrower_waiting_too_long_is_told(pg_url):
+    import threading
+
+    from runstile.ledger import keys
+    from runstile.ledger.db_postgresql import SessionPool
+    migrations.migrate(pg_url)
+    pool = SessionPool(pg_url, size=2, busy_timeout_ms=2000)
+    pool.open()
+    made, errors = [], []
+
+    def create(n: int) -> None:
+        try:
+            with pool.connection() as conn:
+                made.append(keys.create(conn, f"p{n}")[0])
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(set(made)) == 6
+    tight = SessionPool(pg_url, size=1, busy_timeout_ms=100)
+    tight.open()
+    with tight.connection():
+        with pytest.raises(LedgerUnavailable):
+            with tight.connection():
+                pass
+    tight.close()
+    pool.close()
