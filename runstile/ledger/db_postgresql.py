@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -100,6 +101,10 @@ def _classified() -> Iterator[None]:
         raise translated from exc
 
 
+#: A statement that writes rows (DDL and TRUNCATE are the migrations' and tests').
+_WRITE = re.compile(r"\s*(?:INSERT|UPDATE|DELETE)\b", re.IGNORECASE)
+
+
 class PgCursor:
     """What a statement gave back: its rows, rowcount, and the inserted row id."""
 
@@ -163,20 +168,30 @@ class PgConnection:
 
     def execute(self, sql: str, params: Any = ()) -> PgCursor:
         pg_sql, style, row_id = translate(sql)
-        self._traced(pg_sql, params_for(style, params))
-        with _classified():
-            cursor = self._raw.execute(pg_sql, params_for(style, params))
-            return PgCursor(cursor, row_id)
+        args = params_for(style, params)
+        with self._alone(sql):
+            self._traced(pg_sql, args)
+            with _classified():
+                return PgCursor(self._raw.execute(pg_sql, args), row_id)
 
     def executemany(self, sql: str, seq: Iterable[Any]) -> PgCursor:
         pg_sql, style, _ = translate(sql, many=True)
         rows = [params_for(style, p) for p in seq]
-        for row in rows:
-            self._traced(pg_sql, row)
-        with _classified():
-            cursor = self._raw.cursor()
-            cursor.executemany(pg_sql, rows)
-            return PgCursor(cursor, None)
+        with self._alone(sql):
+            for row in rows:
+                self._traced(pg_sql, row)
+            with _classified():
+                cursor = self._raw.cursor()
+                cursor.executemany(pg_sql, rows)
+                return PgCursor(cursor, None)
+
+    def _alone(self, sql: str) -> contextlib.AbstractContextManager[None]:
+        """A write outside any transaction gets one of its own, with the writer lock:
+        on SQLite such a statement takes the file's write lock too, so it never lands
+        between another writer's read and its write."""
+        if self.in_transaction or not _WRITE.match(sql):
+            return contextlib.nullcontext()
+        return self.writing()
 
     def execute_script(self, script: str) -> None:
         """Run a migration script as it is (several statements, no parameters)."""

@@ -246,3 +246,21 @@ def test_threads_share_a_pool_of_sessions_and_a_borrower_waiting_too_long_is_tol
                 pass
     tight.close()
     pool.close()
+
+
+def test_a_write_outside_a_transaction_waits_for_the_writer_lock_like_any_writer(pg_url):
+    """As on SQLite, where such a statement takes the file's write lock: it can never land
+    between a writer's read and its write."""
+    migrations.migrate(pg_url)
+    holder, bare = db.connect(pg_url), db.connect(pg_url, busy_timeout_ms=50)
+    held = db.transaction(holder)
+    held.__enter__()
+    try:
+        with pytest.raises(LedgerUnavailable):
+            bare.execute("INSERT INTO profiles (id, created_at) VALUES ('bare', 0)")
+        assert bare.execute("SELECT COUNT(*) FROM profiles").fetchone()[0] == 0  # reads go on
+    finally:
+        held.__exit__(None, None, None)
+    bare.execute("INSERT INTO profiles (id, created_at) VALUES ('bare', 0)")
+    assert not bare.in_transaction
+    assert holder.execute("SELECT id FROM profiles").fetchall() == [("bare",)]
