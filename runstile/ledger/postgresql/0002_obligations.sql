@@ -40,8 +40,11 @@ CREATE INDEX obligations_unsettled  ON obligations (run_id)
 
 -- The callback obligation of an event that ends a run or needs a person, in the event's
 -- own transaction.  Times in the snapshot as text (shortest exact form: float() of it
--- gives the stored value back), as SQLite writes them with 17 digits.
-CREATE FUNCTION obligations_from_events() RETURNS trigger LANGUAGE plpgsql AS $$
+-- gives the stored value back), as SQLite writes them with 17 digits; extra_float_digits
+-- is pinned for the function, as a session with a lower one would round them.  The id
+-- is 'msg_' and 32 hex digits, as on SQLite (from gen_random_uuid: 122 random bits).
+CREATE FUNCTION obligations_from_events() RETURNS trigger LANGUAGE plpgsql
+SET extra_float_digits = 1 AS $$
 BEGIN
     INSERT INTO obligations (id, run_id, profile_id, kind, type, url, snapshot, event_seq,
                              occurred_at, next_attempt_at, created_at, updated_at)
