@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from . import config_values as values_of
-from .errors import ConfigError
+from .errors import ConfigError, redact_url
+
+#: Variables whose value may hold a password: shown redacted in every error.
+SECRET_VARIABLES = ("RUNSTILE_DATABASE_URL",)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Settings:
     tasks: tuple[str, ...] = ("runstile.demo",)
     #: ``sqlite`` (embedded broker in the ledger), ``redis://…`` or ``amqp://…``.
     broker_url: str = "sqlite"
+    #: A PostgreSQL ledger instead of ``<data_dir>/ledger.db``; kept out of the repr, as
+    #: its password must never reach a log.
+    database_url: str | None = field(default=None, repr=False)
     #: SQLite ``PRAGMA synchronous``; FULL makes every acknowledged commit durable.
     synchronous: str = "FULL"
     #: Milliseconds a ledger write waits for the lock before answering 503.
@@ -123,6 +129,16 @@ class Settings:
     def ledger_path(self) -> Path:
         return self.data_dir / "ledger.db"
 
+    @property
+    def ledger_target(self) -> Path | str:
+        """What opens the ledger: the PostgreSQL URL, else the SQLite file."""
+        return self.database_url or self.ledger_path
+
+    @property
+    def ledger_name(self) -> str:
+        """The ledger as logs and messages may name it (no password)."""
+        return redact_url(self.database_url) if self.database_url else str(self.ledger_path)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Build settings from ``RUNSTILE_*`` variables, then explicit overrides (flags).
@@ -139,7 +155,8 @@ class Settings:
             try:
                 values[attr] = parse(raw)
             except ValueError as exc:
-                raise ConfigError(f"{name}={raw!r} is invalid: {exc}") from None
+                shown = redact_url(raw) if name in SECRET_VARIABLES else raw
+                raise ConfigError(f"{name}={shown!r} is invalid: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         settings.check()
@@ -205,6 +222,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_DATA_DIR": (values_of.path, "data directory"),
     "RUNSTILE_TASKS": (values_of.tasks, "task modules, comma-separated"),
     "RUNSTILE_BROKER_URL": (values_of.broker_url, "broker"),
+    "RUNSTILE_DATABASE_URL": (values_of.database_url, "PostgreSQL ledger"),
     "RUNSTILE_SYNCHRONOUS": (values_of.synchronous, "SQLite synchronous level"),
     "RUNSTILE_BUSY_TIMEOUT_MS": (values_of.positive_int, "ledger lock wait, ms"),
     "RUNSTILE_LIST_QUERY_TIMEOUT_MS": (values_of.positive_int, "list query time limit, ms"),

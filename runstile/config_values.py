@@ -81,6 +81,23 @@ def broker_url(raw: str) -> str:
     return value
 
 
+#: URL schemes of a PostgreSQL ledger (RUNSTILE_DATABASE_URL).
+DATABASE_URL_SCHEMES = ("postgresql", "postgres")
+
+
+def database_url(raw: str) -> str | None:
+    """RUNSTILE_DATABASE_URL / --database-url: a postgresql:// URL, or empty for SQLite."""
+    value = raw.strip()
+    if not value:
+        return None
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme.lower() not in DATABASE_URL_SCHEMES:
+        raise ValueError("must be a postgresql:// URL (unset: the SQLite ledger in the data "
+                         "directory)")
+    _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
+    return value
+
+
 def tasks(raw: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in raw.split(",") if part.strip())
     if not names:

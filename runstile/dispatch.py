@@ -384,7 +384,7 @@ class Dispatcher:
 
     def pool(self) -> db.ConnectionPool:
         """This process's connections to the ledger, each settling its debts here."""
-        return db.ConnectionPool(self.settings.ledger_path,
+        return db.ConnectionPool(self.settings.ledger_target,
                                  synchronous=self.settings.synchronous,
                                  busy_timeout_ms=self.settings.busy_timeout_ms,
                                  after_commit=self.after_commit)

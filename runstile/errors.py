@@ -6,6 +6,7 @@ Errors that reach a client carry a stable ``code`` (docs/api.md) and an HTTP ``s
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 
@@ -319,3 +320,18 @@ class ApiError(RunstileError):
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: what an error, a log line or
+    a repr may say of a URL that holds a secret (RUNSTILE_DATABASE_URL)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname \
+            else parts.hostname or ""
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    except ValueError:
+        return "<a URL that does not parse>"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))

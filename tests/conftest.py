@@ -1,4 +1,5 @@
-"""Shared fixtures: real SQLite files, real servers on loopback, real processes.
+"""Shared fixtures: real SQLite files (and PostgreSQL databases, tests/postgres.py), real
+servers on loopback, real processes.
 
 Broker fixtures skip locally when the machine's Redis/RabbitMQ are absent and fail
 instead when CI is set (after Dramatiq's own conftest).
@@ -22,6 +23,7 @@ import pytest
 import requests
 
 from runstile.ledger import db, keys, migrations
+from tests import postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNSTILE = [sys.executable, "-m", "runstile"]
@@ -59,16 +61,27 @@ class Key:
 
 @dataclass
 class Ledger:
-    """A migrated ledger file in a temporary data directory."""
+    """A migrated ledger file in a temporary data directory, or (``url``) a migrated
+    PostgreSQL database of its own."""
 
     data_dir: Path
+    url: str | None = None
 
     @property
     def path(self) -> Path:
         return self.data_dir / "ledger.db"
 
+    @property
+    def target(self) -> Path | str:
+        """What db.connect and migrations.migrate are given: the file, or the URL."""
+        return self.url or self.path
+
+    @property
+    def dialect(self) -> str:
+        return "postgresql" if self.url else "sqlite"
+
     def connect(self):
-        return db.connect(self.path)
+        return db.connect(self.target)
 
     def key(self, profile: str = "default", *, admin: bool = False, label: str | None = None) -> Key:
         conn = self.connect()
@@ -116,6 +129,30 @@ def conn(ledger):
     c = ledger.connect()
     yield c
     c.close()
+
+
+@pytest.fixture(params=postgres.DIALECTS)
+def dual_ledger(request, tmp_path):
+    """A fresh ledger for this test alone, once on each engine: SQLite, and PostgreSQL
+    when RUNSTILE_TEST_DATABASE_URL names a server (skipped, saying so, otherwise).  A
+    test module runs on both by defining ``ledger`` as this fixture."""
+    if request.param == "sqlite":
+        yield _new_ledger(tmp_path)
+        return
+    with postgres.fresh_database() as url:
+        migrations.migrate(url)
+        yield Ledger(tmp_path / "data", url=url)
+
+
+@pytest.fixture(params=postgres.DIALECTS)
+def ledger_target(request, tmp_path):
+    """Where a ledger not yet migrated would be, once on each engine: an SQLite file's
+    path, and a fresh PostgreSQL database's URL (skipped when there is no server)."""
+    if request.param == "sqlite":
+        yield tmp_path / "ledger.db"
+        return
+    with postgres.fresh_database() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

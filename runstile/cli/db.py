@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from .. import filemodes
-from .options import _emit_json, _fail, json_option, settings_options
+from .options import _emit_json, _fail, json_option, runs_on_postgresql, settings_options
 
 
 @click.group("db")
@@ -23,30 +23,32 @@ def db() -> None:
 
 @db.command("migrate")
 @settings_options
+@runs_on_postgresql
 @json_option
 def db_migrate(settings, as_json):
     """Bring the ledger to the current schema (safe to run any time)."""
     from ..ledger import migrations
-    before = migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
+    before = migrations.migrate(settings.ledger_target, synchronous=settings.synchronous,
                                 busy_timeout_ms=settings.busy_timeout_ms)
     if as_json:
-        _emit_json({"path": str(settings.ledger_path), "from_version": before,
+        _emit_json({"path": settings.ledger_name, "from_version": before,
                     "version": migrations.LATEST_VERSION})
     else:
-        click.echo(f"{settings.ledger_path}: schema version {before} -> "
+        click.echo(f"{settings.ledger_name}: schema version {before} -> "
                    f"{migrations.LATEST_VERSION}")
 
 
 @db.command("check")
 @settings_options
+@runs_on_postgresql
 @json_option
 def db_check(settings, as_json):
     """Integrity and invariant report; exit 1 if anything is wrong."""
     from ..ledger import db as ledger_db
     from ..ledger import maintenance
-    if not settings.ledger_path.exists():
-        _fail(f"no ledger at {settings.ledger_path}")
-    conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms,
+    if not ledger_db.ledger_exists(settings.ledger_target):
+        _fail(f"no ledger at {settings.ledger_name}")
+    conn = ledger_db.connect(settings.ledger_target, busy_timeout_ms=settings.busy_timeout_ms,
                              readonly=True)
     report = maintenance.check(conn)
     # Warnings, not problems: the ledger is sound, but other users may read it.
@@ -54,7 +56,8 @@ def db_check(settings, as_json):
     if as_json:
         _emit_json(report)
     else:
-        click.echo(f"schema version {report['schema_version']}, journal {report['journal_mode']}")
+        storage = ledger_db.dialect(conn).storage_line(report)
+        click.echo(f"schema version {report['schema_version']}, {storage}")
         for name, count in report["counts"].items():
             click.echo(f"  {name}: {count}")
         for problem in report["problems"]:

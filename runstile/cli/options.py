@@ -29,22 +29,48 @@ from ..errors import ConfigError
 
 
 def settings_options(fn):
-    """Add --data-dir and --tasks to a subcommand and turn them into ``settings``."""
+    """Add --data-dir, --tasks and --database-url to a subcommand and turn them into
+    ``settings``.  A command not marked :func:`runs_on_postgresql` refuses a PostgreSQL
+    ledger (exit 2): only some commands run on one yet (docs/configuration.md)."""
 
     @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                   help="Data directory [env RUNSTILE_DATA_DIR; default ./runstile-data].")
     @click.option("--tasks", "tasks", multiple=True,
                   help="Task module to import (repeatable) [env RUNSTILE_TASKS; "
                        "default runstile.demo].")
+    @click.option("--database-url", default=None,
+                  help="A PostgreSQL ledger, postgresql://user:password@host:port/db "
+                       "[env RUNSTILE_DATABASE_URL; default: <data-dir>/ledger.db].")
     @functools.wraps(fn)
-    def wrapper(*args, data_dir, tasks, **kwargs):
+    def wrapper(*args, data_dir, tasks, database_url, **kwargs):
         try:
-            settings = Settings.from_env(data_dir=data_dir, tasks=tuple(tasks) or None)
+            if database_url is not None:
+                database_url = _database_url_flag(database_url)
+            settings = Settings.from_env(data_dir=data_dir, tasks=tuple(tasks) or None,
+                                         database_url=database_url)
         except ConfigError as exc:
             raise click.UsageError(exc.message) from None
+        if settings.database_url and not getattr(fn, "runs_on_postgresql", False):
+            _fail(f"this command does not run on a PostgreSQL ledger yet "
+                  f"({settings.ledger_name}); `runstile db migrate|check` do", code=2)
         return fn(settings, *args, **kwargs)
 
     return wrapper
+
+
+def runs_on_postgresql(fn):
+    """Mark a command that works on a PostgreSQL ledger (see settings_options)."""
+    fn.runs_on_postgresql = True
+    return fn
+
+
+def _database_url_flag(raw: str) -> str | None:
+    from ..config_values import database_url
+    from ..errors import redact_url
+    try:
+        return database_url(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--database-url={redact_url(raw)!r} is invalid: {exc}") from None
 
 
 def json_option(fn=None, *, help: str = "Print one JSON object."):
@@ -149,10 +175,10 @@ def _ledger(settings: Settings, *, create: bool = False):
     not exist: any other command would make an empty one beside the real one (a wrong
     --data-dir, another working directory) and report on it as if all were well."""
     from ..dispatch import Dispatcher
-    from ..ledger import migrations
-    if not create and not settings.ledger_path.exists():
-        _fail(f"no ledger at {settings.ledger_path} (give the --data-dir of a runstile "
+    from ..ledger import db, migrations
+    if not create and not db.ledger_exists(settings.ledger_target):
+        _fail(f"no ledger at {settings.ledger_name} (give the --data-dir of a runstile "
               "that has run, or RUNSTILE_DATA_DIR)")
-    migrations.migrate(settings.ledger_path, synchronous=settings.synchronous,
+    migrations.migrate(settings.ledger_target, synchronous=settings.synchronous,
                        busy_timeout_ms=settings.busy_timeout_ms)
     return Dispatcher(settings).pool().get()

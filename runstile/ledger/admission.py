@@ -41,6 +41,9 @@ from .runs import Enqueue, add_dispatch
 #: nothing here.
 _RACE_RETRIES = 3
 
+#: A write that lost a race with another writer: re-read, and answer as a replay.
+_RACES: tuple[type[Exception], ...] = (*db.INTEGRITY_ERRORS, AdmissionRace)
+
 
 @dataclass(frozen=True)
 class AdmissionRequest:
@@ -121,10 +124,11 @@ def admit(conn: sqlite3.Connection | None, req: AdmissionRequest, *,
             assert conn is not None, "admit needs a connection or a committer"
             with db.transaction(conn):
                 return reserve(conn)
-        except (sqlite3.IntegrityError, AdmissionRace):
+        except _RACES:
             # Another writer created the same key or run id between our read and our
             # insert.  It has committed, so re-reading answers as a replay or a 409.
-            # (SQLite raises IntegrityError here; the admission writer reports the same
+            # (The engine reports it as a refused write, db.INTEGRITY_ERRORS; the
+            # admission writer reports the same
             # race from its process as AdmissionRace.)
             continue
     raise LedgerUnavailable("the admission kept racing with concurrent writers")

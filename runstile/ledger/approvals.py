@@ -44,10 +44,13 @@ def request(conn: sqlite3.Connection, run_id: str, owner: Owner, *, position: in
             f"?, ?, {NOW})",
             (run_id, position, args_hash, json.dumps({"approval_id": approval_id}),
              run["attempt"]))
+        d = db.dialect(conn)
+        approval_sql = d.json_object(
+            f"'approval_id', {d.text_param}, 'details', {d.json_param}, 'requested_at', "
+            f"{NOW}, 'decision', NULL, 'resolved_at', NULL")
         row = conn.execute(
-            f"UPDATE runs SET status = 'waiting_for_approval', approval = json_object("
-            f"'approval_id', ?, 'details', json(?), 'requested_at', {NOW}, 'decision', NULL, "
-            "'resolved_at', NULL), owner_node = NULL, owner_generation = NULL, "
+            f"UPDATE runs SET status = 'waiting_for_approval', approval = {approval_sql}, "
+            "owner_node = NULL, owner_generation = NULL, "
             "owner_pid = NULL, owner_thread = NULL, lease_expires_at = NULL, "
             f"updated_at = {NOW} WHERE id = ? AND status = 'running' RETURNING approval",
             (approval_id, json.dumps(details), run_id)).fetchone()
@@ -68,10 +71,11 @@ def decide(conn: sqlite3.Connection, run_id: str, approval_id: str, decision: st
     attempt) with a dispatch record.
     """
     assert decision in DECISIONS
+    d = db.dialect(conn)
     with db.transaction(conn):
         entry = conn.execute(
             "SELECT position, state, result FROM journal WHERE run_id = ? AND kind = 'approval' "
-            "AND json_extract(result, '$.approval_id') = ?", (run_id, approval_id)).fetchone()
+            f"AND {d.json_text('result', 'approval_id')} = ?", (run_id, approval_id)).fetchone()
         if entry is None:
             raise ApprovalNotPending("no pending approval with this id on this run")
         recorded = json.loads(entry["result"]).get("decision")
@@ -79,16 +83,18 @@ def decide(conn: sqlite3.Connection, run_id: str, approval_id: str, decision: st
             if recorded != decision:
                 raise ApprovalAlreadyResolved(f"this approval was already decided: {recorded}")
             return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+        decided = d.json_set("approval", [("decision", d.text_param), ("resolved_at", NOW)])
         row = conn.execute(
-            "UPDATE runs SET status = 'queued', approval = json_set(approval, '$.decision', ?, "
-            f"'$.resolved_at', {NOW}), updated_at = {NOW} WHERE id = ? AND "
-            "status = 'waiting_for_approval' AND json_extract(approval, '$.approval_id') = ? "
+            f"UPDATE runs SET status = 'queued', approval = {decided}, updated_at = {NOW} "
+            "WHERE id = ? AND status = 'waiting_for_approval' AND "
+            f"{d.json_text('approval', 'approval_id')} = ? "
             "RETURNING *", (decision, run_id, approval_id)).fetchone()
         if row is None:
             raise ApprovalNotPending("the run is not waiting for this approval")
         conn.execute(
             f"UPDATE journal SET state = 'completed', completed_at = {NOW}, "
-            "result = json_set(result, '$.decision', ?) WHERE run_id = ? AND position = ?",
+            f"result = {d.json_set('result', [('decision', d.text_param)])} "
+            "WHERE run_id = ? AND position = ?",
             (decision, run_id, entry["position"]))
         events.append(conn, run_id, "approval.resolved",
                       {"approval_id": approval_id, "decision": decision})

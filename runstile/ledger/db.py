@@ -24,11 +24,20 @@ from typing import cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from ..filemodes import open_lock, private_file
+from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, is_database_url
 from .owed import Owed
 
-#: The ledger's clock as an SQL expression: Unix seconds with millisecond precision.
-#: Every lease and timestamp comes from here so that all processes share one clock.
-NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+__all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "dialect", "is_database_url"]
+
+#: A write refused by a uniqueness or check constraint, on either engine: a race that the
+#: caller answers (a replay, a 409), never a 503.
+INTEGRITY_ERRORS: tuple[type[Exception], ...] = (sqlite3.IntegrityError, ConstraintViolation)
+
+
+def dialect(conn: object) -> SqliteDialect:
+    """The SQL spelling of ``conn``'s engine (ledger/db_dialect.py)."""
+    found: SqliteDialect = getattr(conn, "dialect", SQLITE)
+    return found
 
 #: SQLite result codes that mean "storage is unavailable right now", not "bug".
 _UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_IOERR", "SQLITE_FULL",
@@ -74,12 +83,16 @@ def ledger_errors() -> Iterator[None]:
 DEADLINE_CHECK_OPS = 10_000
 
 
-@contextlib.contextmanager
 def time_limit(conn: sqlite3.Connection, seconds: float,
-               timeout: Callable[[], Exception]) -> Iterator[None]:
-    """Abort the statements run inside past ``seconds``, raising ``timeout()``.
+               timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
+    """Abort the statements run inside past ``seconds``, raising ``timeout()``."""
+    return cast(LedgerConnection, conn).time_limit(seconds, timeout)
 
-    SQLite has no statement timeout; a progress handler that answers "stop" once the
+
+@contextlib.contextmanager
+def _progress_deadline(conn: sqlite3.Connection, seconds: float,
+                       timeout: Callable[[], Exception]) -> Iterator[None]:
+    """SQLite has no statement timeout; a progress handler that answers "stop" once the
     deadline has passed makes the running statement fail with SQLITE_INTERRUPT, which
     also ends its read snapshot (a long read holds back WAL checkpoints).  The handler
     is removed on the way out: the connection is pooled, and every later statement on it
@@ -99,7 +112,15 @@ def time_limit(conn: sqlite3.Connection, seconds: float,
 
 def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000,
             readonly: bool = False) -> sqlite3.Connection:
-    """Open one connection with runstile's pragmas.  Never share it across fork()."""
+    """Open one connection with runstile's pragmas.  Never share it across fork().
+
+    ``path`` may be a PostgreSQL URL instead (ledger/db_postgresql.py); the connection
+    then presents the same methods, and ``synchronous`` is the server's business."""
+    if is_database_url(path):
+        # Imported here: psycopg only for a PostgreSQL ledger, so SQLite's start stays quick.
+        from . import db_postgresql
+        return cast(sqlite3.Connection, db_postgresql.connect(
+            str(path), busy_timeout_ms=busy_timeout_ms, readonly=readonly))
     with ledger_errors():
         if readonly:
             uri = f"file:{Path(path).resolve()}?mode=ro"
@@ -118,6 +139,12 @@ def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int
         conn.execute("PRAGMA foreign_keys = ON")
         # WAL is persistent and set by migrations; a reader never needs to change it.
         return conn
+
+
+def ledger_exists(target: Path | str) -> bool:
+    """Whether there is a ledger to open: an SQLite file that exists; a PostgreSQL
+    database always (connecting, and its schema version, tell the rest)."""
+    return is_database_url(target) or Path(target).exists()
 
 
 class WriterGate:
@@ -215,20 +242,34 @@ class LedgerConnection(sqlite3.Connection):
     #: True while ``after_commit`` runs: its own commits (marking a record sent) do not
     #: call it again.
     settling: bool = False
+    #: How this engine spells what engines spell differently (ledger/db_dialect.py).
+    dialect: SqliteDialect = SQLITE
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """One write transaction: the writer gate, then BEGIN IMMEDIATE ... COMMIT."""
+        with writer_gate(self.writer_path).held(self.busy_timeout_s), _immediate(self):
+            yield
+
+    def time_limit(self, seconds: float,
+                   timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
+        return _progress_deadline(self, seconds, timeout)
 
 
 def owe_publish(conn: sqlite3.Connection, dispatch_id: int, run_id: str,
                 delay_s: float = 0.0, priority: int = 5, queue: str = "default") -> None:
     """The transaction in progress wrote dispatch record ``dispatch_id`` unsent (of a run
     of ``priority`` on ``queue``, which its message carries and goes to)."""
-    if isinstance(conn, LedgerConnection):
-        conn.owed.publish.append((dispatch_id, run_id, delay_s, priority, queue))
+    owed: Owed | None = getattr(conn, "owed", None)  # a ledger connection, either engine
+    if owed is not None:
+        owed.publish.append((dispatch_id, run_id, delay_s, priority, queue))
 
 
 def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:
     """The transaction in progress may have created an obligation of ``run_id``."""
-    if isinstance(conn, LedgerConnection):
-        conn.owed.deliveries.append(run_id)
+    owed: Owed | None = getattr(conn, "owed", None)
+    if owed is not None:
+        owed.deliveries.append(run_id)
 
 
 @contextlib.contextmanager
@@ -253,13 +294,14 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
             raise
         return
     ledger_conn.owed.take()  # a debt dropped by a failed settle or a rollback: gone
-    with writer_gate(ledger_conn.writer_path).held(ledger_conn.busy_timeout_s):
-        try:
-            with _immediate(conn):
-                yield conn
-        except BaseException:
-            ledger_conn.owed.take()  # rolled back: nothing of it is owed
-            raise
+    try:
+        # SQLite: the writer gate, then BEGIN IMMEDIATE; PostgreSQL: BEGIN, then the
+        # ledger's advisory writer lock (docs/architecture.md, "Two dialects, one ledger").
+        with ledger_conn.writing():
+            yield conn
+    except BaseException:
+        ledger_conn.owed.take()  # rolled back: nothing of it is owed
+        raise
     _settle(ledger_conn)
 
 
@@ -312,7 +354,7 @@ def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
 class ConnectionPool:
     """One connection per (process, thread), opened lazily after any fork."""
 
-    def __init__(self, path: Path, *, synchronous: str, busy_timeout_ms: int,
+    def __init__(self, path: Path | str, *, synchronous: str, busy_timeout_ms: int,
                  after_commit: AfterCommit | None = None) -> None:
         self.path = path
         self.synchronous = synchronous

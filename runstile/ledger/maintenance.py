@@ -13,13 +13,9 @@ from .states import NON_TERMINAL, sql_list
 
 def check(conn: sqlite3.Connection) -> dict[str, Any]:
     """Integrity and invariant report; ``ok`` is False if anything is wrong."""
-    problems: list[str] = []
+    d = db.dialect(conn)
     with db.ledger_errors():
-        integrity = [row[0] for row in conn.execute("PRAGMA integrity_check")]
-        if integrity != ["ok"]:
-            problems += [f"integrity: {line}" for line in integrity[:20]]
-        for row in conn.execute("PRAGMA foreign_key_check").fetchall()[:20]:
-            problems.append(f"foreign key: {tuple(row)}")
+        problems = d.integrity_problems(conn)
         version = migrations.current_version(conn)
         if version != migrations.LATEST_VERSION:
             problems.append(f"schema version {version}, expected {migrations.LATEST_VERSION}")
@@ -43,9 +39,9 @@ def check(conn: sqlite3.Connection) -> dict[str, Any]:
                 counts[table] = conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
             counts["runs_by_status"] = dict(conn.execute(
                 "SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall())
-        journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        storage = d.storage_report(conn)
     return {"ok": not problems, "problems": problems, "schema_version": version,
-            "journal_mode": journal_mode, "counts": counts}
+            **storage, "counts": counts}
 
 
 #: JSON columns runstile reads back (a replayed step's result, an event, a run's input
@@ -63,8 +59,11 @@ def _impossible_rows(conn: sqlite3.Connection, limit: int = 20) -> list[str]:
                              "(SELECT 1 FROM events e WHERE e.run_id = j.run_id AND "
                              f"e.type = 'run.started') LIMIT {limit}")]
     for table, column, names in _JSON_COLUMNS:
+        invalid = db.dialect(conn).json_invalid(column)
+        if invalid is None:
+            continue
         rows = conn.execute(f"SELECT {names} FROM {table} WHERE {column} IS NOT NULL AND "
-                            f"NOT json_valid({column}) LIMIT {limit}").fetchall()
+                            f"{invalid} LIMIT {limit}").fetchall()
         problems += [f"{table} {a}{'' if b is None else f' #{b}'}: {column} is not JSON"
                      for a, b in rows]
     return problems

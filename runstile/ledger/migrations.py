@@ -59,12 +59,18 @@ def split_statements(script: str) -> list[str]:
 
 def current_version(conn: sqlite3.Connection) -> int:
     with db.ledger_errors():
-        version: int = conn.execute("PRAGMA user_version").fetchone()[0]
-        return version
+        return db.dialect(conn).schema_version(conn)
 
 
-def migrate(path: Path, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000) -> int:
-    """Bring the ledger at ``path`` to LATEST_VERSION; return the version it was at."""
+def migrate(path: Path | str, *, synchronous: str = "FULL",
+            busy_timeout_ms: int = 5000) -> int:
+    """Bring the ledger at ``path`` (or a PostgreSQL URL) to LATEST_VERSION; return the
+    version it was at."""
+    if db.is_database_url(path):
+        from . import db_postgresql_migrate  # the twins of these migrations
+        return db_postgresql_migrate.migrate(str(path), [v for v, _ in MIGRATIONS],
+                                             busy_timeout_ms=busy_timeout_ms)
+    path = Path(path)
     private_dir(path.parent)
     conn = db.connect(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms)
     try:

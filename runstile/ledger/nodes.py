@@ -18,6 +18,6 @@ def boot(conn: sqlite3.Connection, node_id: str) -> int:
     with db.transaction(conn):
         row = conn.execute(
             f"INSERT INTO nodes (id, generation, booted_at) VALUES (?, 1, {NOW}) "
-            f"ON CONFLICT (id) DO UPDATE SET generation = generation + 1, booted_at = {NOW} "
+            f"ON CONFLICT (id) DO UPDATE SET generation = nodes.generation + 1, booted_at = {NOW} "
             "RETURNING generation", (node_id,)).fetchone()
     return int(row[0])

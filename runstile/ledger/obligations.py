@@ -153,7 +153,8 @@ def mark_sent(conn: sqlite3.Connection, obligation_ids: list[str]) -> int:
     marks = ", ".join("?" for _ in obligation_ids)
     with db.transaction(conn):
         return conn.execute(
-            f"UPDATE obligations SET message_due_at = MAX(next_attempt_at, {NOW}) "
+            "UPDATE obligations SET message_due_at = "
+            f"{db.dialect(conn).greatest('next_attempt_at', NOW)} "
             f"WHERE id IN ({marks}) AND state = 'pending'", obligation_ids).rowcount
 
 

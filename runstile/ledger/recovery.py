@@ -143,10 +143,33 @@ Decision = tuple[dict[str, Any], str, str | None]
 def uncertain_among(conn: sqlite3.Connection, run_ids: list[str]) -> set[str]:
     """Which of ``run_ids`` have a non-idempotent step started and never settled."""
     rows = conn.execute(
-        "SELECT DISTINCT run_id FROM journal WHERE run_id IN (SELECT value FROM json_each(?)) "
+        "SELECT DISTINCT run_id FROM journal WHERE run_id IN "
+        f"{db.dialect(conn).json_array_values()} "
         "AND kind = 'step' AND state = 'started' AND idempotent = 0",
         (json.dumps(run_ids),)).fetchall()
     return {r[0] for r in rows}
+
+
+def _terminal_batch_sql(d: db.SqliteDialect) -> str:
+    """The batch UPDATE of apply_terminal_many: each guard is a JSON array element g of
+    [seq, id, status, owner_node, owner_generation, owner_pid, owner_thread,
+    lease_expires_at, reason]."""
+    def at(i: int, sql_type: str) -> str:
+        return d.json_at("g.value", i, sql_type)
+    return (
+        "UPDATE runs SET status = ?, error_code = ?, error_message = ?, "
+        f"recovery_reason = {at(8, 'TEXT')}, "
+        f"finished_at = {NOW}, owner_node = NULL, owner_generation = NULL, "
+        "owner_pid = NULL, owner_thread = NULL, lease_expires_at = NULL, "
+        "interruption = NULL, recovery_attempts = recovery_attempts + 1, "
+        f"updated_at = {NOW} FROM {d.json_rows('?', 'g')} "
+        f"WHERE runs.seq = {at(0, 'INTEGER')} "
+        f"AND runs.id = {at(1, 'TEXT')} AND runs.status = {at(2, 'TEXT')} "
+        f"AND runs.owner_node IS {at(3, 'TEXT')} "
+        f"AND runs.owner_generation IS {at(4, 'INTEGER')} "
+        f"AND runs.owner_pid IS {at(5, 'INTEGER')} "
+        f"AND runs.owner_thread IS {at(6, 'INTEGER')} "
+        f"AND runs.lease_expires_at IS {at(7, 'REAL')} RETURNING runs.id")
 
 
 def apply_terminal_many(conn: sqlite3.Connection, decisions: list[Decision],
@@ -169,20 +192,8 @@ def apply_terminal_many(conn: sqlite3.Connection, decisions: list[Decision],
             [run["seq"], run["id"], run["status"], run["owner_node"], run["owner_generation"],
              run["owner_pid"], run["owner_thread"], run["lease_expires_at"], reason]
             for run, reason in rows])
-        ids = [r[0] for r in conn.execute(
-            "UPDATE runs SET status = ?, error_code = ?, error_message = ?, "
-            "recovery_reason = g.value ->> 8, "
-            f"finished_at = {NOW}, owner_node = NULL, owner_generation = NULL, "
-            "owner_pid = NULL, owner_thread = NULL, lease_expires_at = NULL, "
-            "interruption = NULL, recovery_attempts = recovery_attempts + 1, "
-            f"updated_at = {NOW} FROM json_each(?) AS g WHERE runs.seq = g.value ->> 0 "
-            "AND runs.id = g.value ->> 1 AND runs.status = g.value ->> 2 "
-            "AND runs.owner_node IS g.value ->> 3 "
-            "AND runs.owner_generation IS g.value ->> 4 "
-            "AND runs.owner_pid IS g.value ->> 5 "
-            "AND runs.owner_thread IS g.value ->> 6 "
-            "AND runs.lease_expires_at IS g.value ->> 7 RETURNING runs.id",
-            (status, code, message, guards)).fetchall()]
+        ids = [r[0] for r in conn.execute(_terminal_batch_sql(db.dialect(conn)),
+                                          (status, code, message, guards)).fetchall()]
         if not ids:
             continue
         by_id = {run["id"]: (run, reason) for run, reason in rows}
@@ -273,9 +284,8 @@ def open_pass(path: Path | str, *, synchronous: str, busy_timeout_ms: int) -> sq
     """
     conn = db.connect(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms)
     with db.ledger_errors():
-        conn.execute(f"PRAGMA cache_size = -{int(PASS_CACHE_KIB)}")
-        conn.execute("PRAGMA temp_store = MEMORY")
-        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        for statement in db.dialect(conn).pass_setup(PASS_CACHE_KIB):
+            conn.execute(statement)
     return conn
 
 
@@ -285,7 +295,8 @@ def checkpoint(conn: sqlite3.Connection) -> tuple[int, int, int]:
     still needs (that reader's commit or the next checkpoint does the rest).  Returns
     (busy, WAL frames, frames checkpointed)."""
     with db.ledger_errors():
-        return tuple(conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
+        sql = db.dialect(conn).checkpoint
+        return (0, 0, 0) if sql is None else tuple(conn.execute(sql).fetchone())
 
 
 def node_generations(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:

@@ -174,8 +174,7 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
         clauses.append("created_at < ?")
         params.append(flt.created_before)
     for key, value in flt.metadata:
-        clauses.append("EXISTS (SELECT 1 FROM json_each(runs.metadata) AS m "
-                       "WHERE m.key = ? AND m.value = ? AND m.type = 'text')")
+        clauses.append(db.dialect(conn).metadata_has("runs.metadata"))
         params += [key, value]
     if before_seq is not None:
         clauses.append("seq < ?")

@@ -29,6 +29,9 @@ _NO_SECRET = "none"
 #: ledger/admission.py does; under SQLite's write lock none happens).
 _RACE_RETRIES = 3
 
+#: A write that lost a race with another writer: re-read, and answer as a replay.
+_RACES: tuple[type[Exception], ...] = (*db.INTEGRITY_ERRORS, AdmissionRace)
+
 
 def idempotency_key(name: str, tick: str) -> str:
     """The idempotency key of schedule ``name``'s run at ``tick`` (spelled by ticks.spell)."""
@@ -50,7 +53,7 @@ def ensure(conn: sqlite3.Connection, schedules: Iterable[tuple[str, str]]) -> No
             conn.execute(
                 "INSERT INTO schedules (name, profile_id, first_seen_at, updated_at) "
                 f"VALUES (?, ?, {NOW}, {NOW}) ON CONFLICT (name) DO UPDATE SET "
-                "profile_id = excluded.profile_id WHERE profile_id != excluded.profile_id",
+                "profile_id = excluded.profile_id WHERE schedules.profile_id != excluded.profile_id",
                 (name, profile_id))
 
 
@@ -92,7 +95,7 @@ def admit_tick(conn: sqlite3.Connection, name: str, tick: float,
                     admitted = None  # the reservation refuses before its first write
                 _settle(conn, name, tick, admitted)
                 return admitted
-        except (sqlite3.IntegrityError, AdmissionRace):
+        except _RACES:
             continue  # another writer took the key first: re-read, now a replay
     raise LedgerUnavailable("a schedule's tick kept racing with concurrent writers")
 

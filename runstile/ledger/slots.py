@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import db
 from .db import NOW
 from .runs import Enqueue, add_dispatch
 from .sessions import CLAIMABLE
@@ -152,7 +153,7 @@ def _pick(conn: sqlite3.Connection, slot: Slot, handed: collections.Counter[Slot
         row = conn.execute(
             f"SELECT r.* FROM runs r WHERE r.{kind.column} = ? AND r.{kind.mark} IS NOT NULL "
             f"AND r.status = 'queued' AND {CLAIMABLE} AND r.{blocker.column} NOT IN "
-            "(SELECT value FROM json_each(?)) ORDER BY r.seq LIMIT 1",
+            f"{db.dialect(conn).json_array_values()} ORDER BY r.seq LIMIT 1",
             (key, json.dumps(full))).fetchone()
         if row is None:
             return None

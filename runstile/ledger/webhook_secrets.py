@@ -26,10 +26,10 @@ def current(conn: sqlite3.Connection, profile_id: str, new_secret: Callable[[], 
         if rotate:
             conn.execute(f"UPDATE webhook_secrets SET retires_at = {NOW} + ? "
                          "WHERE profile_id = ? AND retires_at IS NULL", (grace_s, profile_id))
-        # INSERT OR IGNORE against the unique current-secret index: a concurrent
+        # ON CONFLICT DO NOTHING against the unique current-secret index: a concurrent
         # creator that got there first keeps its secret, and we read that one back.
-        conn.execute(f"INSERT OR IGNORE INTO webhook_secrets (profile_id, secret, created_at) "
-                     f"VALUES (?, ?, {NOW})", (profile_id, new_secret()))
+        conn.execute("INSERT INTO webhook_secrets (profile_id, secret, created_at) "
+                     f"VALUES (?, ?, {NOW}) ON CONFLICT DO NOTHING", (profile_id, new_secret()))
         secret: str = conn.execute("SELECT secret FROM webhook_secrets WHERE profile_id = ? "
                                    "AND retires_at IS NULL", (profile_id,)).fetchone()[0]
         return secret

@@ -167,12 +167,12 @@ def _open_migrated(settings: Settings):
     version under the write lock."""
     options: _ConnectOptions = {"synchronous": settings.synchronous,
                                 "busy_timeout_ms": settings.busy_timeout_ms}
-    if not settings.ledger_path.exists():
-        migrations.migrate(settings.ledger_path, **options)
-    conn = recovery.open_pass(settings.ledger_path, **options)
+    if not db.ledger_exists(settings.ledger_target):
+        migrations.migrate(settings.ledger_target, **options)
+    conn = recovery.open_pass(settings.ledger_target, **options)
     try:
         if not migrations.is_current(conn):
-            migrations.migrate(settings.ledger_path, **options)
+            migrations.migrate(settings.ledger_target, **options)
     except BaseException:
         conn.close()
         raise
@@ -360,7 +360,7 @@ def boot(settings: Settings, generation: int) -> Report:
     """Recovery for a new generation, then open the barrier (docs/guarantees.md,
     "4. Recovery barrier")."""
     report = run_pass(settings, generation=generation, trigger="boot")
-    conn = db.connect(settings.ledger_path, synchronous=settings.synchronous,
+    conn = db.connect(settings.ledger_target, synchronous=settings.synchronous,
                       busy_timeout_ms=settings.busy_timeout_ms)
     try:
         recovery.open_barrier(conn, settings.node_id, generation)

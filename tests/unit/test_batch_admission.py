@@ -24,8 +24,9 @@ ENQUEUE = dispatch.Dispatcher(Settings()).enqueue
 
 
 @pytest.fixture
-def ledger(tmp_path):
-    path = tmp_path / "ledger.db"
+def ledger(ledger_target):
+    """A ledger on each engine (tests/postgres.py)."""
+    path = ledger_target
     migrations.migrate(path)
     conn = db.connect(path)
     key_id, _ = keys.create(conn, "p")
@@ -135,9 +136,9 @@ def test_a_batch_without_an_in_transaction_enqueue_leaves_its_dispatches_unsent(
         row[0] for row in conn.execute("SELECT id FROM dispatches ORDER BY id")]
 
 
-def test_a_batch_of_waiting_admissions_runs_through_one_reserve_many(ledger, tmp_path):
+def test_a_batch_of_waiting_admissions_runs_through_one_reserve_many(ledger, ledger_target):
     conn, who = ledger
-    batches = group_commit.Batches(lambda: db.connect(tmp_path / "ledger.db"))
+    batches = group_commit.Batches(lambda: db.connect(ledger_target))
     units = [group_commit.Unit(admission.Reservation(request(who, key=k), None, 1000, ENQUEUE))
              for k in ("x", "y", "x")]
     batches.settle(units)
@@ -151,7 +152,8 @@ def test_the_row_a_batch_returns_names_every_column_of_runs_in_order(ledger):
     migration adds must be named there too, or every batched admission answers without it."""
     from runstile.ledger.admission_rows import _RUN_COLUMNS
     conn, _ = ledger
-    assert _RUN_COLUMNS == tuple(r["name"] for r in conn.execute("PRAGMA table_info(runs)"))
+    columns = conn.execute("SELECT * FROM runs LIMIT 0").description
+    assert _RUN_COLUMNS == tuple(c[0] for c in columns)
 
 
 def test_a_retrys_run_names_the_run_it_retries_whether_batched_or_alone(ledger):

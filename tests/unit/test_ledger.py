@@ -49,8 +49,8 @@ def test_migrations_from_several_processes_apply_once(tmp_path):
         conn.close()
 
 
-def test_migrating_twice_changes_nothing(tmp_path):
-    path = tmp_path / "ledger.db"
+def test_migrating_twice_changes_nothing(ledger_target):
+    path = ledger_target
     assert migrations.migrate(path) == 0
     assert migrations.migrate(path) == migrations.LATEST_VERSION
 
@@ -65,8 +65,8 @@ def test_a_ledger_from_a_newer_runstile_is_refused(tmp_path):
         migrations.migrate(path)
 
 
-def test_a_transaction_rolls_back_on_base_exceptions(tmp_path):
-    path = tmp_path / "ledger.db"
+def test_a_transaction_rolls_back_on_base_exceptions(ledger_target):
+    path = ledger_target
     migrations.migrate(path)
     conn = db.connect(path)
     with pytest.raises(KeyboardInterrupt):
@@ -77,8 +77,8 @@ def test_a_transaction_rolls_back_on_base_exceptions(tmp_path):
     assert conn.execute("SELECT COUNT(*) FROM profiles").fetchone()[0] == 0
 
 
-def test_nested_transactions_use_savepoints(tmp_path):
-    path = tmp_path / "ledger.db"
+def test_nested_transactions_use_savepoints(ledger_target):
+    path = ledger_target
     migrations.migrate(path)
     conn = db.connect(path)
     with db.transaction(conn):
@@ -102,15 +102,15 @@ def test_a_held_write_lock_becomes_ledger_unavailable(tmp_path):
     holder.execute("ROLLBACK")
 
 
-def test_a_terminal_run_never_changes_status_even_through_raw_sql(tmp_path):
-    conn = bare_ledger(tmp_path / "ledger.db")
+def test_a_terminal_run_never_changes_status_even_through_raw_sql(ledger_target):
+    conn = bare_ledger(ledger_target)
     conn.execute("INSERT INTO runs (id, profile_id, key_id, task, input, fingerprint, "
                  "fingerprint_version, status, created_at, updated_at) "
                  "VALUES ('r', 'p', 'key_1', 't', 'null', 'f', 1, 'queued', 0, 0)")
     assert conn.execute("SELECT active_runs FROM profiles").fetchone()[0] == 1
     conn.execute("UPDATE runs SET status = 'completed'")
     assert conn.execute("SELECT active_runs FROM profiles").fetchone()[0] == 0
-    with pytest.raises(sqlite3.IntegrityError, match="terminal"):
+    with pytest.raises(db.INTEGRITY_ERRORS, match="terminal"):
         conn.execute("UPDATE runs SET status = 'queued'")
 
 

@@ -22,6 +22,12 @@ AFTER_COMMIT = dispatch.Dispatcher(Settings(broker_url="redis://127.0.0.1:1/0"))
 OWNER = Owner("node-a", 1, 4242, 1)
 
 
+@pytest.fixture
+def ledger(dual_ledger):
+    """Every test here runs on both engines (tests/postgres.py)."""
+    return dual_ledger
+
+
 class Ledger:
     """A pool connection whose debts are recorded instead of paid."""
 
@@ -45,7 +51,7 @@ class Ledger:
 
 @pytest.fixture
 def owing(ledger):
-    return Ledger(ledger.path)
+    return Ledger(ledger.target)
 
 
 def test_a_finish_that_frees_a_session_owes_the_next_runs_publish_and_pays_it_once(owing):
@@ -99,7 +105,7 @@ def test_what_after_commit_commits_itself_is_not_handed_back_to_it(ledger):
         with db.transaction(conn):  # as a publisher marking its record sent does
             db.owe_deliveries(conn, "run_from_the_payment")
 
-    conn = db.ConnectionPool(ledger.path, synchronous="OFF", busy_timeout_ms=5000,
+    conn = db.ConnectionPool(ledger.target, synchronous="OFF", busy_timeout_ms=5000,
                              after_commit=pay).get()
     with db.transaction(conn):
         db.owe_deliveries(conn, "run_a")

@@ -11,11 +11,20 @@ real workers is in tests/workers/test_profile_cap.py.
 
 from __future__ import annotations
 
+import pytest
+
 from runstile.config import Settings
 from runstile.ledger import execution, slots
 from runstile.recovery import reconcile
+from tests import postgres
 from tests.unit import slot_helpers
 from tests.unit.slot_helpers import ENQUEUE, OWNER, admit, live_messages
+
+
+@pytest.fixture
+def ledger(dual_ledger):
+    """Every test here runs on both engines (tests/postgres.py)."""
+    return dual_ledger
 
 
 def claim(conn, run_id: str, cap: int | None = 1, thread: int = 1) -> execution.Claim:
@@ -57,7 +66,8 @@ def test_a_claim_over_the_profile_cap_waits_and_the_finish_that_frees_the_slot_d
 
 
 def settings_for(ledger, cap: int | None, **changes) -> Settings:
-    return Settings(data_dir=ledger.data_dir, node_id="node-a", max_running_per_profile=cap,
+    return Settings(data_dir=ledger.data_dir, database_url=ledger.url, node_id="node-a",
+                    max_running_per_profile=cap,
                     **changes)
 
 
@@ -85,6 +95,8 @@ def test_recovery_hands_out_free_slots_to_waiting_runs_and_leaves_held_ones_alon
 
 
 def test_the_claim_counts_a_profiles_running_runs_from_its_own_index(conn):
+    postgres.sqlite_only(conn, "it reads EXPLAIN QUERY PLAN; PostgreSQL plans from table "
+                                "statistics, a sequential scan on a table this small")
     plan = " ".join(r[3] for r in conn.execute(
         "EXPLAIN QUERY PLAN SELECT COUNT(*) FROM runs WHERE profile_id = ? AND status IN "
         f"{slots.HOLDING}", ("a",)))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from runstile import tasks as registry
 from runstile.ledger import schedules
 from runstile.ledger.admission import Reservation
@@ -16,6 +18,12 @@ from runstile.workers.scheduler import template
 
 SPEC = ScheduleSpec("nightly", "echo", Ticks(every_s=60), {"n": 1}, "default", "all")
 TICK = 1_700_000_040.0  # 2023: before any resume a test makes
+
+
+@pytest.fixture
+def ledger(dual_ledger):
+    """Every test here runs on both engines (tests/postgres.py)."""
+    return dual_ledger
 
 
 def reservation(spec: ScheduleSpec = SPEC, tick: float = TICK) -> Reservation:

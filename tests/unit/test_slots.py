@@ -27,11 +27,17 @@ from tests.unit.slot_helpers import (
 )
 
 
+@pytest.fixture
+def ledger(dual_ledger):
+    """Every test here runs on both engines (tests/postgres.py)."""
+    return dual_ledger
+
+
 def transactions(statements: list[str]) -> list[str]:
     """The write transactions a connection's trace shows, each as its statements' text."""
     found, current = [], None
     for sql in statements:
-        if sql.startswith("BEGIN IMMEDIATE"):
+        if sql.startswith("BEGIN"):  # IMMEDIATE on SQLite
             current = []
         elif sql.startswith(("COMMIT", "ROLLBACK")) and current is not None:
             found.append("\n".join(current))

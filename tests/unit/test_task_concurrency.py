@@ -14,9 +14,12 @@ with real workers is in tests/workers/test_task_concurrency.py.
 
 from __future__ import annotations
 
+import pytest
+
 from runstile.config import Settings
 from runstile.ledger import execution, slots
 from runstile.recovery import reconcile
+from tests import postgres
 from tests.unit.slot_helpers import (
     ENQUEUE,
     OWNER,
@@ -29,6 +32,12 @@ from tests.unit.slot_helpers import (
 )
 
 ONE = "t.one_at_a_time"
+
+
+@pytest.fixture
+def ledger(dual_ledger):
+    """Every test here runs on both engines (tests/postgres.py)."""
+    return dual_ledger
 
 
 def task_slots(conn, run_id: str) -> int:
@@ -132,7 +141,7 @@ def test_a_claim_that_lost_its_profile_slot_passes_the_task_slot_it_was_handed_o
 
 
 def settings_for(ledger) -> Settings:
-    return Settings(data_dir=ledger.data_dir, node_id="node-a")
+    return Settings(data_dir=ledger.data_dir, database_url=ledger.url, node_id="node-a")
 
 
 def test_recovery_hands_the_slots_of_a_raised_limit_to_the_oldest_waiting_runs(ledger, conn):
@@ -158,6 +167,8 @@ def test_recovery_hands_the_slots_of_a_raised_limit_to_the_oldest_waiting_runs(l
 
 
 def test_the_claim_counts_a_tasks_running_runs_and_finds_its_waiting_runs_by_index(conn):
+    postgres.sqlite_only(conn, "it reads EXPLAIN QUERY PLAN; PostgreSQL plans from table "
+                                "statistics, a sequential scan on a table this small")
     def plan(sql: str) -> str:
         return " ".join(r[3] for r in conn.execute(f"EXPLAIN QUERY PLAN {sql}", (ONE,)))
     assert "runs_running_by_task" in plan(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-import sqlite3
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, get_type_hints
@@ -33,7 +32,7 @@ from typing import Any, TypeVar, get_type_hints
 from ... import errors
 from ...config import Settings
 from ...errors import AdmissionRace, AdmissionWriterFailed, RunstileError
-from ...ledger import admission, group_commit, runs
+from ...ledger import admission, db, group_commit, runs
 
 #: The length before each frame's payload.
 LENGTH = struct.Struct(">I")
@@ -157,7 +156,7 @@ def encode_outcome(unit: group_commit.Unit) -> bytes:
         return _dumps(["ok", admitted.run, admitted.replayed, admitted.dispatch_id]).encode()
     if isinstance(unit.error, RunstileError):
         return _dumps(["refused", *_error_fields(unit.error)]).encode()
-    if isinstance(unit.error, sqlite3.IntegrityError):
+    if isinstance(unit.error, db.INTEGRITY_ERRORS):
         # A uniqueness race: admission.admit re-reads and answers a replay or a 409.
         return _dumps(["race", str(unit.error)]).encode()
     return _dumps(["failed", f"{type(unit.error).__name__}: {unit.error}"]).encode()
