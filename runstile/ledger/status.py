@@ -20,7 +20,6 @@ def node_generation(conn: sqlite3.Connection, node_id: str) -> int:
     return 0 if row is None else int(row[0])
 
 
-
 #: The statuses the runs gauge counts: the ones a partial index holds, so a scrape costs
 #: a walk of what is in flight, never of the ledger's history.  Paused and
 #: waiting_for_approval runs have no such index (each count would scan every run).
