@@ -10,6 +10,10 @@ RUN_STAMP := $(VENV)/.installed-run
 DATA   ?= ./runstile-data
 PORT   ?= 8000
 PYTEST_ARGS ?=
+# The ledger the suite runs on: sqlite, or postgresql (a database per test on the server
+# RUNSTILE_TEST_DATABASE_URL names; tests/postgres.py). Unset: SQLite, plus the ledger
+# unit tests on PostgreSQL too when RUNSTILE_TEST_DATABASE_URL is set.
+LEDGER ?=
 
 .PHONY: run test chaos bench lint docs screenshots clean venv
 
@@ -39,9 +43,10 @@ $(RUN_STAMP): pyproject.toml
 run: $(RUN_STAMP)
 	$(VENV)/bin/runstile up --data-dir $(DATA) --port $(PORT)
 
-## test: install dev dependencies and run the whole suite (chaos profile excluded)
+## test: install dev dependencies and run the whole suite (chaos profile excluded);
+## LEDGER=postgresql runs it on PostgreSQL
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	RUNSTILE_TEST_LEDGER=$(LEDGER) $(PY) -m pytest $(PYTEST_ARGS)
 
 ## chaos: the long fault-injection and soak runs
 chaos: venv

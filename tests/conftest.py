@@ -7,6 +7,7 @@ instead when CI is set (after Dramatiq's own conftest).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -69,6 +71,10 @@ class Ledger:
 
     @property
     def path(self) -> Path:
+        """The ledger file; a test that opens it itself is SQLite's alone, and skips on
+        the PostgreSQL pass (tests/postgres.py)."""
+        if self.url:
+            pytest.skip("SQLite only: the test reads or writes the ledger file itself")
         return self.data_dir / "ledger.db"
 
     @property
@@ -100,10 +106,35 @@ class Ledger:
             conn.close()
 
 
-def _new_ledger(folder: Path) -> Ledger:
+#: The PostgreSQL database of each data directory the fixtures made on the PostgreSQL
+#: pass: every Server, System and Workers started on that directory gets it as
+#: RUNSTILE_DATABASE_URL, however the test built them.
+DATABASE_URLS: dict[Path, str] = {}
+
+
+def database_env(data_dir: Path) -> dict[str, str]:
+    """What a process started on ``data_dir`` needs to find its ledger beyond the
+    directory: on the PostgreSQL pass, the database's URL."""
+    url = DATABASE_URLS.get(Path(data_dir).resolve())
+    return {"RUNSTILE_DATABASE_URL": url} if url else {}
+
+
+@contextlib.contextmanager
+def new_ledger(folder: Path) -> Iterator[Ledger]:
+    """A migrated ledger with its data directory in ``folder``: a file, or on the
+    PostgreSQL pass a database of its own, dropped on the way out."""
     data_dir = folder / "data"
-    migrations.migrate(data_dir / "ledger.db")
-    return Ledger(data_dir)
+    if not postgres.on_postgresql():
+        migrations.migrate(data_dir / "ledger.db")
+        yield Ledger(data_dir)
+        return
+    with postgres.fresh_database(required=True, migrated=True) as url:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        DATABASE_URLS[data_dir.resolve()] = url
+        try:
+            yield Ledger(data_dir, url=url)
+        finally:
+            DATABASE_URLS.pop(data_dir.resolve(), None)
 
 
 def bare_ledger(path: Path) -> sqlite3.Connection:
@@ -118,9 +149,10 @@ def bare_ledger(path: Path) -> sqlite3.Connection:
 
 
 @pytest.fixture
-def ledger(tmp_path) -> Ledger:
+def ledger(tmp_path) -> Iterator[Ledger]:
     """A fresh ledger for this test alone."""
-    return _new_ledger(tmp_path)
+    with new_ledger(tmp_path) as made:
+        yield made
 
 
 @pytest.fixture
@@ -137,10 +169,11 @@ def dual_ledger(request, tmp_path):
     when RUNSTILE_TEST_DATABASE_URL names a server (skipped, saying so, otherwise).  A
     test module runs on both by defining ``ledger`` as this fixture."""
     if request.param == "sqlite":
-        yield _new_ledger(tmp_path)
+        data_dir = tmp_path / "data"
+        migrations.migrate(data_dir / "ledger.db")
+        yield Ledger(data_dir)
         return
-    with postgres.fresh_database() as url:
-        migrations.migrate(url)
+    with postgres.fresh_database(migrated=True) as url:
         yield Ledger(tmp_path / "data", url=url)
 
 
@@ -156,9 +189,10 @@ def ledger_target(request, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def shared_ledger(tmp_path_factory) -> Ledger:
+def shared_ledger(tmp_path_factory) -> Iterator[Ledger]:
     """One ledger per test module; tests isolate themselves with a key (scope) each."""
-    return _new_ledger(tmp_path_factory.mktemp("shared"))
+    with new_ledger(tmp_path_factory.mktemp("shared")) as made:
+        yield made
 
 
 @pytest.fixture
@@ -210,7 +244,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, **extra_env: str) -> Server:
-        env = {**os.environ, **self.env, **extra_env}
+        env = {**os.environ, **database_env(self.data_dir), **self.env, **extra_env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"serve-{self.port}.log"
         log = open(self.log_path, "ab")
@@ -424,7 +458,7 @@ class System(Server):
     tasks: tuple[str, ...] = ("tests.workers.exec_tasks", "runstile.demo")
 
     def start(self, **extra_env: str) -> System:
-        env = {**os.environ, **self.env, **extra_env}
+        env = {**os.environ, **database_env(self.data_dir), **self.env, **extra_env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"up-{self.port}.log"
         log = open(self.log_path, "ab")
@@ -452,7 +486,7 @@ class Workers:
     log_path: Path | None = None
 
     def start(self) -> Workers:
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **database_env(self.data_dir), **self.env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"worker-{time.monotonic_ns()}.log"
         log = open(self.log_path, "ab")

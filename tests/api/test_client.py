@@ -22,17 +22,17 @@ import requests
 import runstile
 from runstile.cli import main
 from runstile.errors import ApiError, RunstileError
-from tests.conftest import System, _new_ledger, free_port
+from tests.conftest import System, new_ledger, free_port
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     """One `runstile up` for the module; each test isolates itself with a key of its own."""
-    ledger = _new_ledger(tmp_path_factory.mktemp("clients"))
-    system = System(ledger.data_dir, {}, web_workers=1, workers=2, threads=4).start()
-    system.ledger = ledger
-    yield system
-    system.kill()
+    with new_ledger(tmp_path_factory.mktemp("clients")) as ledger:
+        system = System(ledger.data_dir, {}, web_workers=1, workers=2, threads=4).start()
+        system.ledger = ledger
+        yield system
+        system.kill()
 
 
 @pytest.fixture

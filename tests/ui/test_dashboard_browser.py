@@ -11,14 +11,15 @@ import re
 import pytest
 
 from runstile.ledger import keys
-from tests.conftest import Api, System, _new_ledger, wait_for_status, wait_until
+from tests.conftest import Api, System, new_ledger, wait_for_status, wait_until
 from tests.receiver import answer_with
 from tests.ui.browser import Browser, cookie_payload, require_chromium, start_driver
 
 
 @pytest.fixture(scope="module")
 def ui_ledger(tmp_path_factory):
-    return _new_ledger(tmp_path_factory.mktemp("ui"))
+    with new_ledger(tmp_path_factory.mktemp("ui")) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

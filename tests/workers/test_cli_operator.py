@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from runstile.cli import main
-from tests.conftest import ROOT, RUNSTILE, Api, System, _new_ledger, wait_for_status, wait_until
+from tests.conftest import ROOT, RUNSTILE, Api, System, new_ledger, wait_for_status, wait_until
 from tests.receiver import Receiver, answer_with
 
 ENV = {"RUNSTILE_CALLBACK_ALLOWLIST": "127.0.0.1", "RUNSTILE_DELIVERY_MAX_ATTEMPTS": "1",
@@ -23,11 +23,11 @@ ENV = {"RUNSTILE_CALLBACK_ALLOWLIST": "127.0.0.1", "RUNSTILE_DELIVERY_MAX_ATTEMP
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    ledger = _new_ledger(tmp_path_factory.mktemp("operator"))
-    system = System(ledger.data_dir, ENV, web_workers=1, workers=1, threads=4).start()
-    system.ledger = ledger
-    yield system
-    system.kill()
+    with new_ledger(tmp_path_factory.mktemp("operator")) as ledger:
+        system = System(ledger.data_dir, ENV, web_workers=1, workers=1, threads=4).start()
+        system.ledger = ledger
+        yield system
+        system.kill()
 
 
 @pytest.fixture
