@@ -16,8 +16,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 

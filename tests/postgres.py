@@ -119,3 +119,72 @@ def sqlite_only(conn, why: str) -> None:
 
     if db.dialect(conn).name != "sqlite":
         pytest.skip(f"SQLite only: {why}")
+
+
+class OwnServer:
+    """A PostgreSQL server of this test's own (initdb into a fresh folder, a free port,
+    trust auth on 127.0.0.1), for tests that stop and start the server: never the
+    machine's shared one.  As root, the server runs as the ``postgres`` user (PostgreSQL
+    refuses to run as root)."""
+
+    BIN = "/usr/lib/postgresql/15/bin"
+
+    def __init__(self, port: int) -> None:
+        import shutil
+        import tempfile
+
+        if not os.path.exists(f"{self.BIN}/initdb"):
+            found = shutil.which("initdb")
+            if found is None:
+                _absent("initdb is not installed: cannot start a PostgreSQL server of "
+                        "the test's own")
+            self.BIN = os.path.dirname(found)
+        self.port = port
+        # Not under pytest's tmp_path: its 0700 parents keep the postgres user out.
+        self.folder = tempfile.mkdtemp(prefix="runstile-pg-")
+        self.data = os.path.join(self.folder, "data")
+        self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        self._as = ["runuser", "-u", "postgres", "--"] if os.getuid() == 0 else []
+        if os.getuid() == 0:
+            os.chown(self.folder, *_postgres_ids())
+        self._run("initdb", "-D", self.data, "-U", "postgres", "--auth=trust", "-E", "UTF8")
+
+    def _run(self, tool: str, *args: str) -> None:
+        import subprocess
+
+        done = subprocess.run([*self._as, f"{self.BIN}/{tool}", *args], capture_output=True,
+                              text=True, timeout=120, cwd=self.folder)
+        if done.returncode != 0:
+            raise RuntimeError(f"{tool} failed: {done.stdout}{done.stderr}")
+
+    def start(self) -> OwnServer:
+        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
+                   f"-c unix_socket_directories={self.folder} -c fsync=on")
+        self._run("pg_ctl", "-D", self.data, "-l", os.path.join(self.folder, "log"),
+                  "-o", options, "-w", "-t", "60", "start")
+        return self
+
+    def stop(self, mode: str = "immediate") -> None:
+        """Stop the server; ``immediate`` is a crash as far as clients can tell (no
+        shutdown checkpoint, every session cut)."""
+        self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "-t", "60", "stop")
+
+    def close(self) -> None:
+        import shutil
+
+        with contextlib.suppress(RuntimeError):
+            self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _postgres_ids() -> tuple[int, int]:
+    import pwd
+
+    entry = pwd.getpwnam("postgres")
+    return entry.pw_uid, entry.pw_gid
+
+
+def _absent(message: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(message + " (CI is set, so this is a failure, not a skip)")
+    pytest.skip(message)

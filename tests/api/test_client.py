@@ -22,7 +22,7 @@ import requests
 import runstile
 from runstile.cli import main
 from runstile.errors import ApiError, RunstileError
-from tests.conftest import System, new_ledger, free_port
+from tests.conftest import System, free_port, new_ledger
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import os
 import random
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import requests
 
+from runstile.ledger import db
 from runstile.ledger.states import TERMINAL, can_transition
 
 #: The profile: "short" in CI (minutes), "full" by default (`make chaos`).
@@ -179,14 +179,23 @@ EVENT_STATUS = {"run.queued": "queued", "run.started": "running", "run.requeued"
 RERUNS = ("run.requeued", "run.resumed", "approval.resolved")
 
 
-def check(ledger_path: Path, history: History, execution_log: Path) -> Report:
+def _snapshot(target: Path | str):
+    """A read-only connection to the ledger (an SQLite file or a PostgreSQL URL) inside
+    one read transaction: every table read from the same snapshot, even if something
+    still runs (a run read as queued must not show its later events).  PostgreSQL's
+    default READ COMMITTED takes a snapshot per statement, so it asks for REPEATABLE
+    READ."""
+    conn = db.connect(target, readonly=True)
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ" if db.is_database_url(target)
+                 else "BEGIN")
+    return conn
+
+
+def check(target: Path | str, history: History, execution_log: Path) -> Report:
+    """``target``: the ledger file, or the PostgreSQL ledger's URL (``Ledger.target``)."""
     report = Report()
-    conn = sqlite3.connect(f"file:{ledger_path}?mode=ro", uri=True, isolation_level=None)
-    conn.row_factory = sqlite3.Row
+    conn = _snapshot(target)
     try:
-        # One read transaction: every table from the same snapshot, even if something
-        # still runs (a run read as queued must not show its later events).
-        conn.execute("BEGIN")
         keys = {r["idempotency_key"]: r["run_id"] for r in conn.execute(
             "SELECT idempotency_key, run_id FROM idempotency_keys")}
         runs = {r["id"]: dict(r) for r in conn.execute("SELECT * FROM runs")}
@@ -255,12 +264,12 @@ def check(ledger_path: Path, history: History, execution_log: Path) -> Report:
     return report
 
 
-def quiesce(ledger_path: Path, timeout_s: float = 120) -> None:
+def quiesce(target: Path | str, timeout_s: float = 120) -> None:
     """Wait until no run is queued, running or stopping (or the timeout passes: the
     checker then reports what is stranded)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        conn = sqlite3.connect(f"file:{ledger_path}?mode=ro", uri=True)
+        conn = db.connect(target, readonly=True)
         try:
             busy = conn.execute("SELECT COUNT(*) FROM runs WHERE status IN "
                                 "('queued', 'running', 'stopping')").fetchone()[0]

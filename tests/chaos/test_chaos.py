@@ -53,9 +53,9 @@ def body_for(log):
 
 
 def settle_and_check(ledger, history, log, scenario: str, kills: int):
-    quiesce(ledger.path, timeout_s=180)
+    quiesce(ledger.target, timeout_s=180)
     recover(ledger)
-    report = check(ledger.path, history, log)
+    report = check(ledger.target, history, log)
     TABLE.append((scenario, kills, report.operations, report.acknowledged, len(report.lost),
                   len(report.duplicated), len(report.stranded), len(report.unexpected),
                   len(report.lifecycle)))

@@ -38,7 +38,7 @@ def test_a_clean_history_has_no_anomalies(ledger, tmp_path):
     history.record(phase="invoke", key="k1")
     history.record(phase="ok", key="k1", run_id=rid)
     log.write_text(f"start {rid} 1 9\nend {rid} 1 9\n")
-    report = check(ledger.path, history, log)
+    report = check(ledger.target, history, log)
     assert report.problems() == {} and report.acknowledged == 1
 
 
@@ -60,7 +60,7 @@ def test_each_anomaly_is_reported(ledger, tmp_path):
     # A second terminal event: a lifecycle violation.
     ledger.query("INSERT INTO events (run_id, seq, type, data, created_at) "
                  "VALUES (?, 99, 'run.failed', '{}', 0)", (done,))
-    report = check(ledger.path, history, log)
+    report = check(ledger.target, history, log)
     assert [e["key"] for e in report.lost] == ["gone"]
     assert report.unexpected == [stray]
     assert {rid for rid, _ in report.duplicated} == {done}

@@ -138,9 +138,9 @@ def settle(ledger, history, log, clients, refusals, scenario: str, faults: int,
     """Quiesce, one `runstile recover`, the checker, `runstile db check`: nothing lost,
     duplicated, stranded, unexpected or out of lifecycle; nothing half-written; the
     ledger passes its integrity and invariant checks; every 5xx was a proper 503."""
-    quiesce(ledger.path, timeout_s=180)
+    quiesce(ledger.target, timeout_s=180)
     recover(ledger)
-    report = check(ledger.path, history, log)
+    report = check(ledger.target, history, log)
     fivexx = sum(n for status, n in clients.answers.items()
                  if isinstance(status, int) and status >= 500)
     FIGURES.append((scenario, faults, report.operations, report.acknowledged,
@@ -373,7 +373,7 @@ def finished(tmp_path_factory) -> Finished:
         wait_until(lambda: len(history.by_phase("ok")) >= scaled(100, 300), 120, 0.1,
                    "runs admitted")
         clients.stop()
-        quiesce(ledger.path)
+        quiesce(ledger.target)
     finally:
         web.kill()
         workers.kill()
@@ -481,7 +481,7 @@ def test_impossible_journal_and_obligation_rows_are_reported_and_recovery_fails_
     workers = Workers(ledger.data_dir, ENV, workers=1, threads=2).start()
     web = Server(ledger.data_dir, ENV, web_workers=1).start()
     try:
-        quiesce(ledger.path, timeout_s=60)
+        quiesce(ledger.target, timeout_s=60)
     finally:
         web.kill()
         workers.kill()
