@@ -73,6 +73,9 @@ class Clients:
     threads: int = 8
     give_up_s: float = 30.0
     pause_s: float = 0.005
+    #: Starts every idempotency key: clients of two groups sharing one history (one
+    #: group per web host) must not share keys by accident.
+    prefix: str = "c"
     #: Called with every answer (None when none came): lets a test inspect each one.
     observe: callable = None
     #: Every answer seen, by HTTP status ("no answer" for a network error or timeout),
@@ -107,7 +110,7 @@ class Clients:
             if count % 10 == 0 and self._done:
                 key, body = rng.choice(self._done)  # the same request again
             else:
-                key = f"c{n}-{count}"
+                key = f"{self.prefix}{n}-{count}"
                 body = self.body_for(key)
             self.submit(session, headers, key, body)
             time.sleep(self.pause_s)

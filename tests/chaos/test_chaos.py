@@ -35,11 +35,16 @@ ENV = {"RUNSTILE_TASKS": CHAOS_TASKS, "RUNSTILE_LEASE_S": "2", "RUNSTILE_HEARTBE
 TABLE: list[tuple] = []
 
 
+def database_env(ledger) -> dict:
+    """A PostgreSQL ledger's URL for a command started on it (none for a file)."""
+    return {"RUNSTILE_DATABASE_URL": ledger.url} if ledger.url else {}
+
+
 def recover(ledger) -> None:
     done = subprocess.run([sys.executable, "-m", "runstile", "recover", "--json",
                            "--data-dir", str(ledger.data_dir), "--tasks", CHAOS_TASKS],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **ENV})
+                          env={**os.environ, **ENV, **database_env(ledger)})
     assert done.returncode == 0, done.stderr
 
 
