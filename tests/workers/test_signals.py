@@ -18,8 +18,7 @@ import random
 import signal
 import time
 
-from runstile.ledger import migrations
-from tests.conftest import Api, Ledger, System, wait_for_status, wait_until
+from tests.conftest import Api, System, new_ledger, wait_for_status, wait_until
 
 #: A short drain timeout keeps twenty starts and stops within the test's budget.
 DRAIN_S = 1.0
@@ -84,30 +83,32 @@ def test_any_mix_of_sigint_and_sigterm_stops_every_process_of_up_within_the_drai
     for round_ in range(ROUNDS):
         # A fresh ledger each round: runs drained in one round are not re-queued into
         # the next one's worker threads.
-        ledger = Ledger(tmp_path / f"round-{round_}")
-        migrations.migrate(ledger.path)
-        system = System(ledger.data_dir, {"RUNSTILE_DRAIN_TIMEOUT_S": str(DRAIN_S)},
-                        web_workers=1, workers=1, threads=2).start()
-        api = Api(system, ledger.key("default"), ledger)
-        # Bodies in flight, so the worker has something to drain (both outlast the drain
-        # timeout and are abandoned as a controlled interruption): a demo task, and one
-        # that keeps the interpreter busy, as CPU-bound bodies do, so that the main
-        # thread competes for the GIL while it handles the signals.
-        runs = [api.post_run({"task": "slow", "input": {"seconds": 20}}).json(),
-                api.post_run({"task": "t.spin", "input": {"seconds": 20}}).json()]
-        for run in runs:
-            wait_for_status(api, run["id"], ("running",))
-        pgid = system.proc.pid
-        assert len(group_alive(pgid)) >= 5, "supervisor, web master and worker, writer, worker"
-        started = time.monotonic()
-        sent = signal_storm(pgid, rng)
-        try:
-            wait_until(lambda system=system, pgid=pgid:
-                       system.proc.poll() is not None and not group_alive(pgid),
-                       BUDGET_S, 0.02, "every process of the group to exit")
-        except AssertionError:
-            raise AssertionError(
-                f"round {round_ + 1}: after {sent}, still running after {BUDGET_S}s:\n"
-                f"{describe(group_alive(pgid))}\n{system.log()[-3000:]}") from None
-        assert time.monotonic() - started <= BUDGET_S
-        assert system.proc.returncode == 0, system.log()[-3000:]
+        with new_ledger(tmp_path / f"round-{round_}") as ledger:
+            stop_in_a_storm(ledger, rng, round_)
+
+
+def stop_in_a_storm(ledger, rng: random.Random, round_: int) -> None:
+    system = System(ledger.data_dir, {"RUNSTILE_DRAIN_TIMEOUT_S": str(DRAIN_S)},
+                    web_workers=1, workers=1, threads=2).start()
+    api = Api(system, ledger.key("default"), ledger)
+    # Bodies in flight, so the worker has something to drain (both outlast the drain
+    # timeout and are abandoned as a controlled interruption): a demo task, and one
+    # that keeps the interpreter busy, as CPU-bound bodies do, so that the main
+    # thread competes for the GIL while it handles the signals.
+    runs = [api.post_run({"task": "slow", "input": {"seconds": 20}}).json(),
+            api.post_run({"task": "t.spin", "input": {"seconds": 20}}).json()]
+    for run in runs:
+        wait_for_status(api, run["id"], ("running",))
+    pgid = system.proc.pid
+    assert len(group_alive(pgid)) >= 5, "supervisor, web master and worker, writer, worker"
+    started = time.monotonic()
+    sent = signal_storm(pgid, rng)
+    try:
+        wait_until(lambda: system.proc.poll() is not None and not group_alive(pgid),
+                   BUDGET_S, 0.02, "every process of the group to exit")
+    except AssertionError:
+        raise AssertionError(
+            f"round {round_ + 1}: after {sent}, still running after {BUDGET_S}s:\n"
+            f"{describe(group_alive(pgid))}\n{system.log()[-3000:]}") from None
+    assert time.monotonic() - started <= BUDGET_S
+    assert system.proc.returncode == 0, system.log()[-3000:]
