@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
+from runstile.ledger import db
 from tests.conftest import Api, Ledger, Server, fill, wait_until
 
 SIMULTANEOUS = 24
@@ -64,15 +64,16 @@ def test_simultaneous_identical_requests_across_processes_make_one_run(make_serv
 def test_a_ledger_locked_past_the_timeout_answers_503_and_writes_nothing(make_server, ledger):
     server = make_server(RUNSTILE_BUSY_TIMEOUT_MS="300")
     api = Api(server, ledger.key(), ledger)
-    holder = sqlite3.connect(ledger.path, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")  # another writer holds the write lock
+    holder = ledger.connect()
     try:
-        response = api.post_run({"task": "echo"}, idempotency_key="while-locked")
-        assert response.status_code == 503
-        assert response.json()["error"]["code"] == "run_storage_unavailable"
-        assert int(response.headers["Retry-After"]) >= 1
+        # Another writer holds the ledger's write lock (SQLite: the writer gate and
+        # BEGIN IMMEDIATE; PostgreSQL: the ledger's advisory writer lock).
+        with db.transaction(holder):
+            response = api.post_run({"task": "echo"}, idempotency_key="while-locked")
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "run_storage_unavailable"
+            assert int(response.headers["Retry-After"]) >= 1
     finally:
-        holder.execute("ROLLBACK")
         holder.close()
     assert ledger.query("SELECT COUNT(*) FROM runs")[0][0] == 0
     retry = api.post_run({"task": "echo"}, idempotency_key="while-locked")
@@ -81,6 +82,11 @@ def test_a_ledger_locked_past_the_timeout_answers_503_and_writes_nothing(make_se
 
 def test_a_full_disk_answers_503_and_service_resumes_when_space_returns(tiny_disk):
     from runstile.ledger import migrations
+    from tests import postgres
+    if postgres.on_postgresql():
+        pytest.skip("SQLite only: the disk under the ledger file fills up; a PostgreSQL "
+                    "ledger's disk is its server's (tests/chaos/test_postgresql_restart.py "
+                    "covers a server that goes away)")
     ledger = Ledger(tiny_disk / "data")
     migrations.migrate(ledger.path)
     server = Server(ledger.data_dir, {"RUNSTILE_BUSY_TIMEOUT_MS": "500"}, web_workers=1).start()
