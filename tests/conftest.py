@@ -131,10 +131,20 @@ def new_ledger(folder: Path) -> Iterator[Ledger]:
     with postgres.fresh_database(required=True, migrated=True) as url:
         data_dir.mkdir(parents=True, exist_ok=True)
         DATABASE_URLS[data_dir.resolve()] = url
+        # Also this process's environment, while the ledger lives: the commands a test
+        # runs itself (``runstile recover``, ``keys``, in-process ``cli.main``) then open
+        # this ledger as the processes the fixtures start do.  A test's own ledger comes
+        # in over its module's shared one and gives it back afterwards.
+        before = os.environ.get("RUNSTILE_DATABASE_URL")
+        os.environ["RUNSTILE_DATABASE_URL"] = url
         try:
             yield Ledger(data_dir, url=url)
         finally:
             DATABASE_URLS.pop(data_dir.resolve(), None)
+            if before is None:
+                os.environ.pop("RUNSTILE_DATABASE_URL", None)
+            else:
+                os.environ["RUNSTILE_DATABASE_URL"] = before
 
 
 def bare_ledger(path: Path) -> sqlite3.Connection:
