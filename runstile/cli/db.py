@@ -27,7 +27,9 @@ def db() -> None:
 @json_option
 def db_migrate(settings, as_json):
     """Bring the ledger to the current schema (safe to run any time)."""
+    from ..ledger import db as ledger_db
     from ..ledger import migrations
+    ledger_db.check_usable(settings.ledger_target, busy_timeout_ms=settings.busy_timeout_ms)
     before = migrations.migrate(settings.ledger_target, synchronous=settings.synchronous,
                                 busy_timeout_ms=settings.busy_timeout_ms)
     if as_json:
@@ -48,6 +50,8 @@ def db_check(settings, as_json):
     from ..ledger import maintenance
     if not ledger_db.ledger_exists(settings.ledger_target):
         _fail(f"no ledger at {settings.ledger_name}")
+    ledger_db.check_usable(settings.ledger_target, busy_timeout_ms=settings.busy_timeout_ms,
+                           write=False)
     conn = ledger_db.connect(settings.ledger_target, busy_timeout_ms=settings.busy_timeout_ms,
                              readonly=True)
     report = maintenance.check(conn)

@@ -52,7 +52,8 @@ def settings_options(fn):
             raise click.UsageError(exc.message) from None
         if settings.database_url and not getattr(fn, "runs_on_postgresql", False):
             _fail(f"this command does not run on a PostgreSQL ledger yet "
-                  f"({settings.ledger_name}); `runstile db migrate|check` do", code=2)
+                  f"({settings.ledger_name}); docs/configuration.md, RUNSTILE_DATABASE_URL, "
+                  f"lists those that do", code=2)
         return fn(settings, *args, **kwargs)
 
     return wrapper
@@ -176,6 +177,9 @@ def _ledger(settings: Settings, *, create: bool = False):
     --data-dir, another working directory) and report on it as if all were well."""
     from ..dispatch import Dispatcher
     from ..ledger import db, migrations
+    # A PostgreSQL ledger that cannot be used is one line and exit 2 here, not a 503 at
+    # every request or a traceback halfway through a migration.
+    db.check_usable(settings.ledger_target, busy_timeout_ms=settings.busy_timeout_ms)
     if not create and not db.ledger_exists(settings.ledger_target):
         _fail(f"no ledger at {settings.ledger_name} (give the --data-dir of a runstile "
               "that has run, or RUNSTILE_DATA_DIR)")

@@ -21,6 +21,7 @@ from .options import (
     json_option,
     listen_options,
     pool_options,
+    runs_on_postgresql,
     settings_options,
     web_workers_option,
 )
@@ -70,6 +71,7 @@ def _with_queues(settings: Settings, queues: tuple[str, ...],
 
 @click.command("serve")
 @settings_options
+@runs_on_postgresql
 @listen_options
 @web_workers_option
 @click.option("--threads", "web_threads", type=click.IntRange(1, 256), default=None,
@@ -86,7 +88,7 @@ def serve(settings, host, port, web_workers, web_threads):
     _ledger(settings, create=True).close()
     filemodes.warn_loose(settings.data_dir)
     banner = (f"runstile API on http://{_url_host(settings.host)}:{settings.port} "
-              f"(ledger {settings.ledger_path})")
+              f"(ledger {settings.ledger_name})")
     if settings.log_format == "json":
         banner = logs.json_line(banner, node=settings.node_id, logger="runstile.serve")
     click.echo(banner, err=True)

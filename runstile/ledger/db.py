@@ -147,6 +147,16 @@ def ledger_exists(target: Path | str) -> bool:
     return is_database_url(target) or Path(target).exists()
 
 
+def check_usable(target: Path | str, *, busy_timeout_ms: int = 5000, write: bool = True) -> None:
+    """At a command's start: a PostgreSQL ledger this runstile cannot use (unreachable,
+    refused, too old, no privileges) is a ConfigError of one line; an SQLite path is
+    left to its own open (ledger/db_postgresql_checks.py)."""
+    if is_database_url(target):
+        from . import db_postgresql_checks
+        db_postgresql_checks.check_usable(str(target), busy_timeout_ms=busy_timeout_ms,
+                                          write=write)
+
+
 class WriterGate:
     """Hands the ledger's write lock from writer to writer without SQLite's backoff naps.
 

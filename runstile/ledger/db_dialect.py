@@ -68,6 +68,11 @@ class SqliteDialect:
         """How the engine stores commits, for `db check`'s report."""
         return {"journal_mode": str(conn.execute("PRAGMA journal_mode").fetchone()[0])}
 
+    def durability(self, conn: Any, synchronous: str) -> tuple[str, bool]:
+        """The commit setting in force and whether an acknowledged commit survives a
+        power loss: SQLite's is RUNSTILE_SYNCHRONOUS, set on every connection."""
+        return synchronous, synchronous in ("FULL", "EXTRA")
+
     def storage_line(self, report: dict[str, Any]) -> str:
         """The part of `db check`'s first line that says it."""
         return f"journal {report['journal_mode']}"

@@ -38,6 +38,12 @@ class PostgresDialect(SqliteDialect):
     def storage_report(self, conn: Any) -> dict[str, str]:
         return {"synchronous_commit": str(conn.execute("SHOW synchronous_commit").fetchone()[0])}
 
+    def durability(self, conn: Any, synchronous: str) -> tuple[str, bool]:
+        # The server's synchronous_commit, which runstile leaves alone; RUNSTILE_SYNCHRONOUS
+        # is SQLite's.  Only "off" acknowledges a commit before it is flushed.
+        setting = self.storage_report(conn)["synchronous_commit"]
+        return setting, setting != "off"
+
     def storage_line(self, report: dict[str, Any]) -> str:
         return f"synchronous_commit {report['synchronous_commit']}"
 

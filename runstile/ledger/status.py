@@ -13,6 +13,22 @@ def ping(conn: sqlite3.Connection) -> bool:
         return one == 1
 
 
+def storage(conn: sqlite3.Connection) -> dict[str, str]:
+    """The ledger's engine and how it stores commits (``/readyz``): SQLite's journal
+    mode, PostgreSQL's ``synchronous_commit``."""
+    with db.ledger_errors():
+        engine = db.dialect(conn)
+        return {"engine": engine.name, **engine.storage_report(conn)}
+
+
+def durability(conn: sqlite3.Connection, synchronous: str) -> tuple[str, bool]:
+    """What ``/v1/capabilities`` says of commits: the setting in force (SQLite's
+    RUNSTILE_SYNCHRONOUS, PostgreSQL's synchronous_commit) and whether an acknowledged
+    commit survives a power loss."""
+    with db.ledger_errors():
+        return db.dialect(conn).durability(conn, synchronous)
+
+
 def node_generation(conn: sqlite3.Connection, node_id: str) -> int:
     """The node's current boot generation (0 until a worker of this node has booted)."""
     with db.ledger_errors():

@@ -49,7 +49,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     json_provider.compact = True
     tasks = registry.load(settings.tasks)
     own = GroupCommitter(lambda: connect(
-        settings.ledger_path, synchronous=settings.synchronous,
+        settings.ledger_target, synchronous=settings.synchronous,
         busy_timeout_ms=settings.busy_timeout_ms))
     committer: GroupCommitter | WriterClient = own
     if writer_socket is not None:

@@ -7,6 +7,7 @@ from flask import Blueprint, Response, jsonify, request
 from .. import __version__
 from ..errors import LedgerUnavailable, RouteNotFound, RunstileError, Unauthorized
 from ..fingerprint import FINGERPRINT_VERSION
+from ..ledger import db as ledger_db
 from ..ledger import migrations
 from ..ledger import recovery as ledger_recovery
 from ..ledger import status as ledger_status
@@ -28,16 +29,19 @@ def healthz() -> Response:
 @blueprint.get("/readyz")
 def readyz() -> Response:
     checks = {"ledger": False, "migrated": False, "recovered": False}
+    ledger: dict[str, str] = {}
     try:
         connection = conn()
         checks["ledger"] = ledger_status.ping(connection)
+        ledger = ledger_status.storage(connection)
         checks["migrated"] = migrations.is_current(connection)
         checks["recovered"] = checks["migrated"] and ledger_recovery.barrier_is_open(
             connection, state().settings.node_id)
     except (LedgerUnavailable, RunstileError):
         state().pool.discard()
     ready = all(checks.values())
-    response = jsonify({"status": "ready" if ready else "not_ready", "checks": checks})
+    response = jsonify({"status": "ready" if ready else "not_ready", "checks": checks,
+                        "ledger": ledger})
     response.status_code = 200 if ready else 503
     if not ready:
         response.headers["Retry-After"] = str(state().settings.retry_after_s)
@@ -80,12 +84,15 @@ def recovery_reports() -> Response:
 def capabilities() -> Response:
     authenticate()
     settings = state().settings
+    synchronous, durable = ledger_status.durability(conn(), settings.synchronous)
     return jsonify({
         "object": "capabilities",
         "api_version": "v1",
         "version": __version__,
-        "durable": settings.synchronous in ("FULL", "EXTRA"),
-        "synchronous": settings.synchronous,
+        # The engine's name only: the PostgreSQL URL (its password) never leaves serve.
+        "ledger": ledger_db.dialect(conn()).name,
+        "durable": durable,
+        "synchronous": synchronous,
         "idempotency": {
             "header": "Idempotency-Key",
             "key_syntax": "1-255 visible ASCII characters (code points 33-126)",

@@ -89,7 +89,7 @@ class _Writer:
         self.limit = max_frame(settings)
         self.enqueue = dispatch.Dispatcher(settings).in_transaction
         self.batches = group_commit.Batches(lambda: db.connect(
-            settings.ledger_path, synchronous=settings.synchronous,
+            settings.ledger_target, synchronous=settings.synchronous,
             busy_timeout_ms=settings.busy_timeout_ms))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a dead writer's socket file: bind() cannot reuse it
