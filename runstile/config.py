@@ -217,6 +217,17 @@ def shared_metrics_folder() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def environment_for_children(settings: Settings) -> dict[str, str]:
+    """This process's environment with the ledger's URL as RUNSTILE_DATABASE_URL: how a
+    URL given as --database-url reaches the processes runstile starts, as a command line
+    (``ps``, /proc/PID/cmdline) is readable by every local user and must not carry its
+    password."""
+    env = dict(os.environ)
+    if settings.database_url:
+        env["RUNSTILE_DATABASE_URL"] = settings.database_url
+    return env
+
+
 #: Every environment variable runstile reads: name -> (parser, one-line meaning).
 ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_DATA_DIR": (values_of.path, "data directory"),

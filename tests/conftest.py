@@ -246,6 +246,8 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    #: More of serve's flags (say ``--database-url``), after the ones every server gets.
+    args: tuple[str, ...] = ()
     #: Started once this answers 200 (a subclass may wait for less than readiness).
     ready_path: ClassVar[str] = "/readyz"
 
@@ -260,7 +262,7 @@ class Server:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [*RUNSTILE, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port),
-             "--web-workers", str(self.web_workers)],
+             "--web-workers", str(self.web_workers), *self.args],
             env=env, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
         STARTED.append(self.proc)
         log.close()

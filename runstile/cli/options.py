@@ -65,6 +65,25 @@ def runs_on_postgresql(fn):
     return fn
 
 
+def url_flag_given() -> bool:
+    """Whether this command's --database-url came from its command line (not the env)."""
+    from click.core import ParameterSource
+    source = click.get_current_context().get_parameter_source("database_url")
+    return source is ParameterSource.COMMANDLINE
+
+
+def exec_with_url_in_env(settings: Settings, args: list[str]) -> NoReturn:
+    """Become ``runstile ARGS`` (the same pid) with the ledger's URL in the environment
+    and not on the command line: a process that forks children (gunicorn's web
+    processes) hands them its command line as it is, where every local user can read the
+    password."""
+    import os
+
+    from ..config import environment_for_children
+    os.execve(sys.executable, [sys.executable, "-m", "runstile", *args],
+              environment_for_children(settings))
+
+
 def _database_url_flag(raw: str) -> str | None:
     from ..config_values import database_url
     from ..errors import redact_url

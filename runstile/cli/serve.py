@@ -18,11 +18,13 @@ from ..errors import ConfigError
 from .options import (
     _emit_json,
     _ledger,
+    exec_with_url_in_env,
     json_option,
     listen_options,
     pool_options,
     runs_on_postgresql,
     settings_options,
+    url_flag_given,
     web_workers_option,
 )
 
@@ -81,6 +83,10 @@ def serve(settings, host, port, web_workers, web_threads):
     settings = _host_port(settings, host, port).replace(
         web_workers=web_workers or settings.web_workers,
         web_threads=web_threads or settings.web_threads)
+    if url_flag_given():
+        # Before any child exists: gunicorn's web processes are forks of this process
+        # and would show the flag's password in their command lines.
+        exec_with_url_in_env(settings, _serve_args(settings))
     from .. import logs
     from ..web.server import run_gunicorn
     logs.configure(settings.log_format, node=settings.node_id,
@@ -93,6 +99,14 @@ def serve(settings, host, port, web_workers, web_threads):
         banner = logs.json_line(banner, node=settings.node_id, logger="runstile.serve")
     click.echo(banner, err=True)
     run_gunicorn(settings)
+
+
+def _serve_args(settings: Settings) -> list[str]:
+    """``serve``'s command line for ``settings``, every flag but --database-url."""
+    tasks = [word for task in settings.tasks for word in ("--tasks", task)]
+    return ["serve", "--data-dir", str(settings.data_dir), *tasks, "--host", settings.host,
+            "--port", str(settings.port), "--web-workers", str(settings.web_workers),
+            "--threads", str(settings.web_threads)]
 
 
 @click.command("up")

@@ -46,6 +46,9 @@ class SqliteDialect:
     text_param = "?"
     json_param = "json(?)"
 
+    #: The obligations table's insertion order, a whole number that a keyset pages on.
+    obligation_order = "rowid"
+
     #: The statement that copies the WAL back into the file (None: the engine's business).
     checkpoint: str | None = "PRAGMA wal_checkpoint(PASSIVE)"
 

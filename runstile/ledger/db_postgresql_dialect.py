@@ -26,6 +26,7 @@ class PostgresDialect(SqliteDialect):
     text_param = "CAST(? AS text)"
     json_param = "CAST(? AS json)"
     checkpoint = None
+    obligation_order = "page_seq"  # PostgreSQL has no rowid: a column of its own
 
     def pass_setup(self, cache_kib: int) -> list[str]:
         return []  # the server's memory settings are the operator's

@@ -78,13 +78,16 @@ def list_visible(conn: sqlite3.Connection, scope: tuple[str, tuple[str, ...]], *
                  states: Sequence[str], before: int | None, limit: int,
                  timeout_s: float | None = None) -> tuple[list[dict[str, Any]], bool]:
     """Obligations of the runs ``scope`` (``runs.visible_clause``) may see, newest first,
-    keyset-paged on rowid (an insert while a client pages gets a larger one, so pages
-    never repeat or skip); ``states`` empty means every state.  Also returns has_more.
+    keyset-paged on insertion order (an insert while a client pages gets a larger one, so
+    pages never repeat or skip); ``states`` empty means every state.  Also returns
+    has_more.
 
-    The table has no INTEGER PRIMARY KEY, so its rowid is insertion order; only VACUUM
-    could renumber it, and nothing runs VACUUM on a ledger (a backup copies pages).
+    On SQLite that is the rowid: the table has no INTEGER PRIMARY KEY, so its rowid is
+    insertion order; only VACUUM could renumber it, and nothing runs VACUUM on a ledger
+    (a backup copies pages).  PostgreSQL has a column for it (the dialect names it).
     Past ``timeout_s`` the query stops (ListQueryTimeout), as a runs list does."""
     where, args = scope
+    order = db.dialect(conn).obligation_order
     clauses, params = [f"run_id IN (SELECT id FROM runs WHERE {where})"], list[object](args)
     if states:
         clauses.append(f"state IN ({', '.join('?' for _ in states)})")
@@ -94,10 +97,10 @@ def list_visible(conn: sqlite3.Connection, scope: tuple[str, tuple[str, ...]], *
         # clause is its WHERE), never a walk of every delivered obligation.
         clauses.append("state NOT IN ('delivered', 'discarded')")
     if before is not None:
-        clauses.append("rowid < ?")
+        clauses.append(f"{order} < ?")
         params.append(before)
-    sql = (f"SELECT rowid AS page_seq, * FROM obligations WHERE {' AND '.join(clauses)} "
-           "ORDER BY rowid DESC LIMIT ?")
+    sql = (f"SELECT {order} AS page_seq, * FROM obligations WHERE {' AND '.join(clauses)} "
+           f"ORDER BY {order} DESC LIMIT ?")
     limited = contextlib.nullcontext() if timeout_s is None else db.time_limit(
         conn, timeout_s, lambda: ListQueryTimeout(
             f"the delivery list query ran past its limit of {timeout_s * 1000:g} ms and "

@@ -1,6 +1,6 @@
 """RUNSTILE_DATABASE_URL / --database-url: which ledger a command opens, validated, its
-password kept out of every message (docs/configuration.md), and the commands that run on
-a PostgreSQL ledger today (`runstile db migrate|check`)."""
+password kept out of every message (docs/configuration.md), and the refusal of a command
+that does not run on a PostgreSQL ledger yet."""
 
 from __future__ import annotations
 
@@ -55,12 +55,22 @@ def test_a_url_without_a_password_is_shown_as_it_is():
     assert redact_url("postgresql://:pw@[::1]:5432/runs") == "postgresql://:***@[::1]:5432/runs"
 
 
-def test_a_command_that_does_not_run_on_postgresql_yet_refuses_it_with_exit_2(
-        tmp_path, capsys):
-    code, out, err = run(["keys", "list", "--data-dir", str(tmp_path), "--database-url",
-                          f"postgresql://app:{SECRET}@127.0.0.1:1/runs"], capsys)
-    assert code == 2 and "does not run on a PostgreSQL ledger yet" in err
-    assert SECRET not in out + err and not (tmp_path / "ledger.db").exists()
+def test_a_command_that_does_not_run_on_postgresql_yet_refuses_it_with_exit_2(tmp_path):
+    import click
+    from click.testing import CliRunner
+
+    from runstile.cli.options import settings_options
+
+    @click.command("sqlite-only")
+    @settings_options
+    def sqlite_only(settings):  # not marked runs_on_postgresql
+        click.echo("ran")
+
+    result = CliRunner().invoke(sqlite_only, ["--data-dir", str(tmp_path), "--database-url",
+                                              f"postgresql://app:{SECRET}@127.0.0.1:1/runs"])
+    assert result.exit_code == 2 and "does not run on a PostgreSQL ledger yet" in result.output
+    assert "ran" not in result.output and SECRET not in result.output
+    assert not (tmp_path / "ledger.db").exists()
 
 
 def test_db_migrate_and_check_run_on_postgresql(tmp_path, capsys):
@@ -79,8 +89,9 @@ def test_db_migrate_and_check_run_on_postgresql(tmp_path, capsys):
     assert not (tmp_path / "ledger.db").exists()
 
 
-def test_an_unreachable_server_is_one_line_and_exit_1_without_the_password(tmp_path, capsys):
+def test_an_unreachable_server_is_one_line_and_exit_2_without_the_password(tmp_path, capsys):
     code, out, err = run(["db", "migrate", "--data-dir", str(tmp_path), "--database-url",
                           f"postgresql://app:{SECRET}@127.0.0.1:1/runs"], capsys)
-    assert code == 1 and err.startswith("error: the ledger is unavailable")
+    assert code == 2 and err.startswith("error: the PostgreSQL ledger postgresql://app:***@")
+    assert "the server does not answer (Connection refused)" in err
     assert SECRET not in out + err and len(err.strip().splitlines()) == 1
