@@ -12,6 +12,7 @@ appear in no child's command line, no answer and no log.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import uuid
 from urllib.parse import urlsplit, urlunsplit
@@ -21,7 +22,7 @@ import requests
 
 from runstile.ledger import db, events
 from tests import postgres
-from tests.conftest import RUNSTILE, ROOT, Server, child_pids
+from tests.conftest import ROOT, RUNSTILE, Server, child_pids
 
 PASSWORD = "not-a-real-secret-4242"
 
@@ -58,7 +59,6 @@ def hosts(tmp_path_factory):
 
 
 def _env() -> dict:
-    import os
     return {k: v for k, v in os.environ.items() if k != "RUNSTILE_DATABASE_URL"}
 
 
