@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -45,17 +46,21 @@ def hosts(tmp_path_factory):
         try:
             for server in (a, b):
                 started.append(server.start())
-            created = subprocess.run(
-                [*RUNSTILE, "keys", "create", "--profile", "pgweb", "--json",
-                 "--data-dir", str(folder / "a")],
-                env={**_env(), "RUNSTILE_DATABASE_URL": url}, capture_output=True,
-                text=True, cwd=ROOT, timeout=60)
+            created = cli("keys", "create", "--profile", "pgweb", "--json", url=url,
+                          data_dir=folder / "a")
             assert created.returncode == 0, created.stderr
             key = json.loads(created.stdout.strip().splitlines()[-1])
             yield a, b, {"Authorization": f"Bearer {key['secret']}"}, bare
         finally:
             for server in started:
                 server.stop()
+
+
+def cli(*argv: str, url: str, data_dir) -> subprocess.CompletedProcess:
+    """A ``runstile`` command on the shared database, as a process of its own."""
+    return subprocess.run([*RUNSTILE, *argv, "--data-dir", str(data_dir)],
+                          env={**_env(), "RUNSTILE_DATABASE_URL": url}, capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
 
 
 def _env() -> dict:
@@ -79,6 +84,22 @@ def test_a_retry_on_the_other_host_is_a_replay_and_another_body_is_a_409(hosts):
     other = post(b, headers, {"task": "echo", "input": {"n": 2}}, key)
     assert other.status_code == 409
     assert other.json()["error"]["code"] == "idempotency_key_conflict"
+
+
+def test_the_same_key_sent_to_both_hosts_at_once_admits_one_run(hosts):
+    """Two admission writers race on each key: the ledger's writer lock orders them, and
+    the second sees the first's reservation, so it replays it."""
+    a, b, headers, _ = hosts
+    keys = [f"race-{uuid.uuid4().hex}" for _ in range(12)]
+    body = {"task": "echo", "input": {"race": True}}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(lambda job: post(job[0], headers, body, job[1]),
+                                [(server, key) for key in keys for server in (a, b)]))
+    for i in range(0, len(answers), 2):
+        pair = answers[i:i + 2]
+        assert [r.status_code for r in pair] == [202, 202], [r.text for r in pair]
+        assert pair[0].json()["id"] == pair[1].json()["id"]
+        assert sorted(r.json()["replayed"] for r in pair) == [False, True]
 
 
 def test_a_run_admitted_on_one_host_is_read_and_listed_on_the_other(hosts):
@@ -156,6 +177,19 @@ def test_the_delivery_list_pages_on_one_host_and_goes_on_on_the_other(hosts):
                         params={"limit": 200, "cursor": first["next_cursor"]}).json()
     seen = [d["run_id"] for d in first["data"] + rest["data"]]
     assert seen[:3] == list(reversed(ids)) and len(seen) == len(set(seen)), seen
+    # The operator's commands settle one on the same database; both hosts see it.
+    delivery = first["data"][0]["id"]
+    discarded = cli("deliveries", "discard", delivery, "--json", url=hosts[3],
+                    data_dir=a.data_dir)
+    assert discarded.returncode == 0, discarded.stderr
+    assert json.loads(discarded.stdout.splitlines()[-1])["state"] == "discarded"
+    again = cli("deliveries", "retry", delivery, url=hosts[3], data_dir=a.data_dir)
+    assert again.returncode == 1 and "delivery_settled" in again.stderr
+    for server in (a, b):
+        run_id = first["data"][0]["run_id"]
+        shown = requests.get(f"{server.url}/v1/runs/{run_id}/deliveries", headers=headers,
+                             timeout=10).json()
+        assert [d["state"] for d in shown["data"]] == ["discarded"]
 
 
 def test_readiness_and_capabilities_name_postgresql_and_never_the_password(hosts):
