@@ -180,8 +180,10 @@ def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
     # row-locks the rows it picks, skipping rows another claim has locked, so two
     # consumers never wait on each other and never pick one row twice; a row changed
     # by a commit since the statement began (claimed, reaped, acked) is re-read once
-    # its lock is ours and dropped if no longer ready.  A claim waits on no lock at
-    # all, so it can be in no deadlock.  The other writers of broker_messages need no
+    # its lock is ours and dropped if no longer ready.  (Without the lock the subquery
+    # would hand two claims the same ids, and the UPDATE re-checks only its own WHERE:
+    # hence the outer ``state`` guard too.)  A claim waits on no lock at all, so it can
+    # be in no deadlock.  The other writers of broker_messages need no
     # writer lock against it: admission and recovery's re-publish only insert rows
     # (a claim sees them once committed, woken by their NOTIFY); retention's purge only
     # deletes dead rows, which a claim never picks; the reap, a release and a consumer's
@@ -194,8 +196,9 @@ def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
     with db.row_transaction(conn):
         rows = conn.execute(
             f"UPDATE broker_messages SET state = '{CLAIMED}', claimed_by = ?, "
-            f"claimed_at = {NOW} WHERE id IN (SELECT id FROM broker_messages "
-            f"WHERE queue_name = ? AND state = '{READY}' ORDER BY eta, priority DESC, id "
+            f"claimed_at = {NOW} WHERE state = '{READY}' AND id IN (SELECT id FROM "
+            f"broker_messages WHERE queue_name = ? AND state = '{READY}' "
+            "ORDER BY eta, priority DESC, id "
             f"LIMIT ?{db.dialect(conn).skip_locked}) RETURNING id, message_id, body, eta, "
             "priority", (consumer_id, queue_name, int(limit))).fetchall()
     # RETURNING gives no order; restore the queue's.
