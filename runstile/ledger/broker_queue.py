@@ -1,5 +1,5 @@
 """The embedded broker's rows (RUNSTILE_BROKER_URL=sqlite, docs/architecture.md, "The
-embedded broker"): all of its SQL.
+embedded broker"), on either engine: all of its SQL.
 
 ``workers/sqlite_broker/`` turns these functions into a Dramatiq ``Broker`` and
 ``Consumer``; admission calls :func:`insert_message` inside its own transaction so the

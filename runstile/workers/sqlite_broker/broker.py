@@ -3,7 +3,7 @@ are rows in the ledger, and :func:`enqueue_in` for callers that hold a transacti
 
 ``workers/broker.py`` builds it for worker processes; tests, the Dramatiq CLI and bench
 build it directly.  Consuming is in :mod:`.consumer`, waking and heartbeats in
-:mod:`.watcher`.
+:mod:`.watcher` (and :mod:`.wakeup`).
 
 The part of the Dramatiq contract kept here: ``declare_queue`` emits ``declare_queue``
 and ``declare_delay_queue``; delayed messages go to ``<queue>.DQ`` with an ``eta``
