@@ -114,6 +114,30 @@ def test_a_message_whose_notification_is_lost_is_still_delivered_by_the_fallback
     consumer.close()
 
 
+def listening_pids(ledger: Ledger) -> set[int]:
+    return {pid for (pid,) in ledger.query(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+        f"AND query = 'LISTEN {broker_queue.CHANNEL}'")}
+
+
+def test_a_watcher_whose_listening_session_is_killed_listens_again_and_still_wakes(
+        make_broker, pg_ledger):
+    consumer, watcher = idle_consumer(make_broker(fallback_poll_s=3600))
+    (first,) = wait_until(lambda: listening_pids(pg_ledger), 10, 0.02, "the LISTEN session")
+    pg_ledger.query("SELECT pg_terminate_backend(?)", (first,))
+    wait_until(lambda: listening_pids(pg_ledger) - {first}, 30, 0.02,
+               "the watcher to LISTEN on a new session")
+    consumer.woken.clear()
+    sent = message("after the reconnect")
+    insert(pg_ledger, sent)
+    assert consumer.woken.wait(30), "the new session's notification never woke the consumer"
+    assert watcher.wakeups["notify"] == 1
+    proxy = next(consumer)
+    assert proxy is not None and proxy.message_id == sent.message_id
+    consumer.ack(proxy)
+    consumer.close()
+
+
 def received(listener, until: str) -> list[str]:
     """The payloads ``listener`` receives up to and including the first ``until``."""
     got: list[str] = []
@@ -144,6 +168,7 @@ def test_a_ready_row_notifies_its_queue_at_commit_once_per_transaction_never_on_
         broker_queue.register_consumer(writer, broker_queue.ConsumerInfo(
             "c1", "a", os.getpid(), "host", 60.0))
         claimed = broker_queue.claim(writer, "a", "c1", 1)
+        assert type(claimed[0]["body"]) is bytes and claimed[0]["body"] == b"body"  # bytea
         broker_queue.release(writer, "c1", [claimed[0]["id"]])
         assert received(listener, "a") == ["a"]
     finally:
