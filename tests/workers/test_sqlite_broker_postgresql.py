@@ -4,7 +4,8 @@
 test_sqlite_broker.py runs the whole broker contract on both engines; here are the
 parts SQLite has no twin of: the NOTIFY trigger (migration 11) and the watcher's LISTEN
 session with its fallback look, claims that skip each other's rows (``FOR UPDATE SKIP
-LOCKED``) in two processes, and the claim and ack outside the ledger-wide writer lock.
+LOCKED``) in two processes, the claim and ack outside the ledger-wide writer lock, and
+a runstile worker process (workers/process.py) running runs admitted on PostgreSQL.
 Each test gets a fresh database (tests/postgres.py); without RUNSTILE_TEST_DATABASE_URL
 they skip, and fail under CI.  Nothing is decided by timing: a wait's bound is only how
 long to wait before failing, and which path woke a consumer is read from the watcher's
@@ -23,14 +24,19 @@ import psycopg
 import pytest
 from dramatiq import Message
 
+from runstile import dispatch
+from runstile.config import Settings
 from runstile.errors import LedgerUnavailable
-from runstile.ledger import broker_queue, db, migrations
+from runstile.ledger import admission, broker_queue, db, keys, migrations
 from runstile.ledger.db_postgresql import WRITER_LOCK
 from runstile.workers.sqlite_broker import SQLiteBroker, enqueue_in
 from tests import postgres
 from tests.conftest import ROOT, Ledger, wait_until
 
 HERE = Path(__file__).resolve().parent
+#: One runstile worker process (workers/process.py) as `runstile worker` starts it.
+WORKER = "from runstile.config import Settings; from runstile.workers import process; " \
+         "process.run(Settings.from_env(), 1)"
 
 
 @pytest.fixture
@@ -230,4 +236,44 @@ def test_two_consumer_processes_on_one_database_never_both_get_one_message(
     assert set(deliveries) == {m.message_id for m in sent}
     assert set(deliveries.values()) == {1}, [m for m, n in deliveries.items() if n > 1]
     assert got[0] and got[1], "one process took every message: the claims never raced"
+    assert pg_ledger.query("SELECT COUNT(*) FROM broker_messages") == [(0,)]
+
+
+def admit(conn, enqueue, key_id: str, log: Path, n: int) -> str:
+    request = admission.AdmissionRequest(
+        principal=keys.Principal("p", key_id, "client"), key=None, key_is_derived=False,
+        run_id=None, task="t.log_start", input_json=f'{{"log": "{log}", "n": {n}}}',
+        session_key=None, trigger_id=None, metadata_json=None, callback_url=None,
+        fingerprint="f" * 64, fingerprint_version=1)
+    return admission.admit(conn, request, refusal=None, max_active_runs=100,
+                           enqueue=enqueue).run["id"]
+
+
+def test_a_worker_process_runs_each_run_admitted_on_a_postgresql_ledger_once(
+        pg_ledger, tmp_path):
+    # The URL goes to the child through the environment, as runstile's own children get it.
+    env = {**os.environ, "RUNSTILE_DATABASE_URL": pg_ledger.url,
+           "RUNSTILE_DATA_DIR": str(tmp_path), "RUNSTILE_TASKS": "tests.workers.exec_tasks"}
+    dispatcher = dispatch.Dispatcher(Settings.from_env(env))
+    conn = dispatcher.pool().get()
+    key_id = keys.create(conn, "p")[0]
+    log = tmp_path / "log.txt"
+    # Each run's message is a broker row of its admission's own transaction.
+    ids = [admit(conn, dispatcher.in_transaction, key_id, log, n) for n in range(20)]
+    assert pg_ledger.query("SELECT COUNT(*) FROM broker_messages WHERE state = 'ready'") \
+        == [(20,)]
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: pg_ledger.query(
+            "SELECT status, COUNT(*) FROM runs GROUP BY status") == [("completed", 20)],
+            90, 0.1, "the worker to complete every run")
+        more = admit(conn, dispatcher.in_transaction, key_id, log, 20)  # an idle worker wakes
+        wait_until(lambda: pg_ledger.query("SELECT status FROM runs WHERE id = ?", (more,))
+                   == [("completed",)], 60, 0.05, "the run admitted while the worker idled")
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    starts = collections.Counter(line.split()[1] for line in log.read_text().splitlines())
+    assert starts == {run_id: 1 for run_id in [*ids, more]}
     assert pg_ledger.query("SELECT COUNT(*) FROM broker_messages") == [(0,)]
