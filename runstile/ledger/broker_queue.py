@@ -108,6 +108,10 @@ def heartbeat(conn: sqlite3.Connection, live: Sequence[ConsumerInfo]) -> int:
     is registered again; the rows it lost may be delivered twice, which runstile's claim
     makes harmless.  Returns how many rows went back to ready.
     """
+    # Under the writer lock on PostgreSQL too: the upsert and the reap lock many rows
+    # (consumers and messages) in no fixed order, and two processes reaping at once
+    # without it could each wait on a row the other holds.  Serialized, they cannot;
+    # and a claim, which may briefly hold a row they want, never waits on anything.
     with db.transaction(conn):
         _upsert_consumers(conn, live)
         return _reap(conn)
@@ -231,7 +235,9 @@ def dead_letter(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) ->
 
 
 def release(conn: sqlite3.Connection, consumer_id: str, delivery_ids: Iterable[int]) -> int:
-    """Put rows this consumer holds back to ready (keeping their place in the queue)."""
+    """Put rows this consumer holds back to ready (keeping their place in the queue).
+    Under the writer lock, as :func:`heartbeat` is: it locks several rows, which a reap
+    may be locking in another order."""
     with db.transaction(conn):
         return sum(conn.execute(
             f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
