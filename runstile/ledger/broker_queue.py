@@ -1,5 +1,5 @@
 """The embedded broker's rows (RUNSTILE_BROKER_URL=sqlite, docs/architecture.md, "The
-embedded broker"): all of its SQL.
+embedded broker"), on either engine: all of its SQL.
 
 ``workers/sqlite_broker/`` turns these functions into a Dramatiq ``Broker`` and
 ``Consumer``; admission calls :func:`insert_message` inside its own transaction so the
@@ -15,6 +15,11 @@ ties its acks to a heartbeat for the same reason).
 Every time comes from the ledger clock (``db.NOW``).  Functions that are one unit of
 work open their own transaction (a savepoint when the caller already has one);
 :func:`insert_message` runs in the caller's.
+
+On PostgreSQL the hot path -- :func:`claim`, :func:`ack`, :func:`dead_letter` -- runs
+outside the ledger-wide writer lock (``db.row_transaction``), guarded by row locks
+alone; why that is safe is argued at :func:`claim` and in docs/architecture.md, "The
+embedded broker".  Every other write here keeps the writer lock.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from . import db
 from .db import NOW
@@ -33,6 +38,9 @@ READY, CLAIMED, DEAD = "ready", "claimed", "dead"
 #: (a delivery, an actor's .send()) has the default.  schema_v8_priority.sql's DEFAULTs
 #: are the same 5.
 MIN_PRIORITY, MAX_PRIORITY, DEFAULT_PRIORITY = 0, 9, 5
+#: The channel PostgreSQL notifies with a queue's name when one of its rows becomes ready
+#: (the trigger of postgresql/0011_broker_notify.sql spells the same name).
+CHANNEL = "runstile_broker"
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,10 @@ def heartbeat(conn: sqlite3.Connection, live: Sequence[ConsumerInfo]) -> int:
     is registered again; the rows it lost may be delivered twice, which runstile's claim
     makes harmless.  Returns how many rows went back to ready.
     """
+    # Under the writer lock on PostgreSQL too: the upsert and the reap lock many rows
+    # (consumers and messages) in no fixed order, and two processes reaping at once
+    # without it could each wait on a row the other holds.  Serialized, they cannot;
+    # and a claim, which may briefly hold a row they want, never waits on anything.
     with db.transaction(conn):
         _upsert_consumers(conn, live)
         return _reap(conn)
@@ -152,8 +164,8 @@ def ready_among(conn: sqlite3.Connection, queue_names: Iterable[str]) -> set[str
     names = sorted(set(queue_names))
     if not names:
         return set()
-    probe = (f"SELECT ? WHERE EXISTS (SELECT 1 FROM broker_messages WHERE queue_name = ? "
-             f"AND state = '{READY}')")
+    probe = (f"SELECT {db.dialect(conn).text_param} WHERE EXISTS (SELECT 1 FROM "
+             f"broker_messages WHERE queue_name = ? AND state = '{READY}')")
     with db.ledger_errors():
         rows = conn.execute(" UNION ALL ".join([probe] * len(names)),
                             [arg for name in names for arg in (name, name)]).fetchall()
@@ -168,29 +180,53 @@ def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
     (schema_v8_priority.sql; docs/architecture.md, "The embedded broker")."""
     if limit < 1:
         return []
-    with db.transaction(conn):
+    # The race with other claims, and why no writer lock (PostgreSQL): the subquery
+    # row-locks the rows it picks, skipping rows another claim has locked, so two
+    # consumers never wait on each other and never pick one row twice; a row changed
+    # by a commit since the statement began (claimed, reaped, acked) is re-read once
+    # its lock is ours and dropped if no longer ready.  (Without the lock the subquery
+    # would hand two claims the same ids, and the UPDATE re-checks only its own WHERE:
+    # hence the outer ``state`` guard too.)  A claim waits on no lock at all, so it can
+    # be in no deadlock.  The other writers of broker_messages need no
+    # writer lock against it: admission and recovery's re-publish only insert rows
+    # (a claim sees them once committed, woken by their NOTIFY); retention's purge only
+    # deletes dead rows, which a claim never picks; the reap, a release and a consumer's
+    # close (under the writer lock) only touch claimed rows, likewise, and wait for a
+    # claim's row locks rather than the other way round; a flush (tests, operators)
+    # deletes what it finds, as on SQLite; acks and dead letters are guarded on their
+    # consumer still holding the row, and each locks that one row only.  No writer
+    # relies on broker rows staying put for the length of its transaction: recovery's
+    # one read of them (ledger/recovery.py stranded_queued) is a single statement.
+    with db.row_transaction(conn):
         rows = conn.execute(
             f"UPDATE broker_messages SET state = '{CLAIMED}', claimed_by = ?, "
-            f"claimed_at = {NOW} WHERE id IN (SELECT id FROM broker_messages "
-            f"WHERE queue_name = ? AND state = '{READY}' ORDER BY eta, priority DESC, id "
-            "LIMIT ?) RETURNING id, message_id, body, eta, priority",
-            (consumer_id, queue_name, int(limit))).fetchall()
+            f"claimed_at = {NOW} WHERE state = '{READY}' AND id IN (SELECT id FROM "
+            f"broker_messages WHERE queue_name = ? AND state = '{READY}' "
+            "ORDER BY eta, priority DESC, id "
+            f"LIMIT ?{db.dialect(conn).skip_locked}) RETURNING id, message_id, body, eta, "
+            "priority", (consumer_id, queue_name, int(limit))).fetchall()
     # RETURNING gives no order; restore the queue's.
     return sorted(rows, key=lambda r: (r["eta"] is not None, r["eta"] or 0, -r["priority"],
                                        r["id"]))
 
 
 def ack(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
-    """Delete a processed row, only if this consumer still holds it.  True if it did."""
-    with db.transaction(conn):
+    """Delete a processed row, only if this consumer still holds it.  True if it did.
+
+    Outside the writer lock on PostgreSQL (see :func:`claim`): one row's lock, taken by
+    the DELETE itself; a reap or release that got there first leaves a row this
+    consumer no longer holds, which READ COMMITTED re-reads after the wait, so the
+    DELETE finds nothing and the ack reports False, as it would after them on SQLite."""
+    with db.row_transaction(conn):
         return conn.execute(
             f"DELETE FROM broker_messages WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
             (delivery_id, consumer_id)).rowcount > 0
 
 
 def dead_letter(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
-    """Move a rejected row to the dead letters, only if this consumer still holds it."""
-    with db.transaction(conn):
+    """Move a rejected row to the dead letters, only if this consumer still holds it.
+    Outside the writer lock on PostgreSQL, as :func:`ack` is."""
+    with db.row_transaction(conn):
         return conn.execute(
             f"UPDATE broker_messages SET state = '{DEAD}', claimed_by = NULL, "
             f"claimed_at = NULL, dead_at = {NOW} "
@@ -199,7 +235,9 @@ def dead_letter(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) ->
 
 
 def release(conn: sqlite3.Connection, consumer_id: str, delivery_ids: Iterable[int]) -> int:
-    """Put rows this consumer holds back to ready (keeping their place in the queue)."""
+    """Put rows this consumer holds back to ready (keeping their place in the queue).
+    Under the writer lock, as :func:`heartbeat` is: it locks several rows, which a reap
+    may be locking in another order."""
     with db.transaction(conn):
         return sum(conn.execute(
             f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
@@ -253,6 +291,24 @@ def purge_dead_letters(conn: sqlite3.Connection, older_than_s: float, limit: int
             f"DELETE FROM broker_messages WHERE id IN (SELECT id FROM broker_messages "
             f"WHERE state = '{DEAD}' AND dead_at < {NOW} - ? ORDER BY dead_at LIMIT ?)",
             (float(older_than_s), int(limit))).rowcount
+
+
+def listen(conn: sqlite3.Connection) -> bool:
+    """Subscribe ``conn`` to the notifications of ready rows (:data:`CHANNEL`); False
+    where the engine sends none (SQLite: the watcher reads :func:`data_version`)."""
+    statement = db.dialect(conn).listen(CHANNEL)
+    if statement is None:
+        return False
+    with db.ledger_errors():
+        conn.execute(statement)
+    return True
+
+
+def notified_queues(conn: Any) -> set[str]:
+    """The queues named by the notifications ``conn`` has received since the last call
+    (a connection :func:`listen` subscribed; never waits)."""
+    with db.ledger_errors():
+        return {payload for channel, payload in conn.notifications() if channel == CHANNEL}
 
 
 def data_version(conn: sqlite3.Connection) -> int:

@@ -256,8 +256,9 @@ class LedgerConnection(sqlite3.Connection):
     dialect: SqliteDialect = SQLITE
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        """One write transaction: the writer gate, then BEGIN IMMEDIATE ... COMMIT."""
+    def writing(self, rows_only: bool = False) -> Iterator[None]:
+        """One write transaction: the writer gate, then BEGIN IMMEDIATE ... COMMIT (SQLite
+        locks the file however few rows a transaction writes: ``rows_only`` changes nothing)."""
         with writer_gate(self.writer_path).held(self.busy_timeout_s), _immediate(self):
             yield
 
@@ -282,8 +283,17 @@ def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:
         owed.deliveries.append(run_id)
 
 
+def row_transaction(
+        conn: sqlite3.Connection) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+    """:func:`transaction` for guarded writes of a few rows that row locks alone protect:
+    SQLite's (file-wide) lock as usual; PostgreSQL's BEGIN without the writer lock.  Only
+    for the embedded broker's claim and acks (docs/architecture.md, "The embedded broker")."""
+    return transaction(conn, rows_only=True)
+
+
 @contextlib.contextmanager
-def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def transaction(conn: sqlite3.Connection, *,
+                rows_only: bool = False) -> Iterator[sqlite3.Connection]:
     """One write transaction: commit, or roll back and re-raise.  Nested calls use savepoints.
 
     Rolls back on BaseException too: an asynchronous exception (a time limit, SIGTERM
@@ -307,7 +317,7 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     try:
         # SQLite: the writer gate, then BEGIN IMMEDIATE; PostgreSQL: BEGIN, then the
         # ledger's advisory writer lock (docs/architecture.md, "Two dialects, one ledger").
-        with ledger_conn.writing():
+        with ledger_conn.writing(rows_only=rows_only):
             yield conn
     except BaseException:
         ledger_conn.owed.take()  # rolled back: nothing of it is owed

@@ -51,6 +51,14 @@ class SqliteDialect:
 
     #: The statement that copies the WAL back into the file (None: the engine's business).
     checkpoint: str | None = "PRAGMA wal_checkpoint(PASSIVE)"
+    #: Appended to the broker's claim subquery (ledger/broker_queue.py): SQLite's claim
+    #: holds the file's write lock, so it needs no row lock.
+    skip_locked = ""
+
+    def listen(self, channel: str) -> str | None:
+        """The statement that subscribes a session to ``channel``'s notifications; None
+        where the engine has none (SQLite: the broker watches the WAL instead)."""
+        return None
 
     def schema_version(self, conn: Any) -> int:
         """The ledger's schema version (ledger/migrations.py); 0 for an empty ledger."""

@@ -209,13 +209,15 @@ class PgConnection:
                 self._raw.execute("ROLLBACK")
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        """BEGIN + the ledger's writer lock ... COMMIT (or ROLLBACK and re-raise)."""
+    def writing(self, rows_only: bool = False) -> Iterator[None]:
+        """BEGIN + the ledger's writer lock ... COMMIT (or ROLLBACK and re-raise).
+        ``rows_only``: no writer lock, the rows' own locks guard the writes (db.row_transaction)."""
         self._traced("BEGIN", None)
         with _classified():
             self._raw.execute("BEGIN")
             try:
-                self._raw.execute("SELECT pg_advisory_xact_lock(%s)", (WRITER_LOCK,))
+                if not rows_only:
+                    self._raw.execute("SELECT pg_advisory_xact_lock(%s)", (WRITER_LOCK,))
             except BaseException:
                 self._rollback()
                 raise
@@ -231,6 +233,15 @@ class PgConnection:
         except BaseException:
             self._rollback()
             raise
+
+    def fileno(self) -> int:
+        """The session's socket: readable when a notification (LISTEN) has arrived."""
+        return self._raw.fileno()
+
+    def notifications(self) -> list[tuple[str, str]]:
+        """(channel, payload) of the notifications received so far, without waiting."""
+        with _classified():
+            return [(n.channel, n.payload) for n in self._raw.notifies(timeout=0)]
 
     @contextlib.contextmanager
     def time_limit(self, seconds: float, timeout: Callable[[], Exception]) -> Iterator[None]:

@@ -27,6 +27,12 @@ class PostgresDialect(SqliteDialect):
     json_param = "CAST(? AS json)"
     checkpoint = None
     obligation_order = "page_seq"  # PostgreSQL has no rowid: a column of its own
+    #: Concurrent claims skip each other's rows instead of queueing on them (the claim
+    #: runs outside the writer lock: docs/architecture.md, "The embedded broker").
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+
+    def listen(self, channel: str) -> str | None:
+        return f"LISTEN {channel}"
 
     def pass_setup(self, cache_kib: int) -> list[str]:
         return []  # the server's memory settings are the operator's

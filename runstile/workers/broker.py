@@ -22,7 +22,8 @@ def make_broker(settings: Settings) -> dramatiq.Broker:
     url = settings.broker_url
     if url == "sqlite":
         from .sqlite_broker import SQLiteBroker
-        return SQLiteBroker(settings.ledger_path, synchronous=settings.synchronous,
+        # The ledger's file or its PostgreSQL URL: the embedded broker lives in either.
+        return SQLiteBroker(settings.ledger_target, synchronous=settings.synchronous,
                             busy_timeout_ms=settings.busy_timeout_ms, middleware=middleware())
     # Redis or RabbitMQ: built in dispatch.py, which the web and recovery publish with.
     return dispatch.external_broker(url, middleware=middleware())

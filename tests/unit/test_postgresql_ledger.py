@@ -18,8 +18,9 @@ from tests import postgres
 #: SQLite's declared type -> PostgreSQL's (information_schema.columns.data_type).
 TYPES = {"INTEGER": "bigint", "REAL": "double precision", "TEXT": "text", "BLOB": "bytea"}
 #: Triggers only PostgreSQL has: dispatches.id one above the largest, as SQLite's
-#: INTEGER PRIMARY KEY gives it.
-POSTGRESQL_ONLY_TRIGGERS = {"dispatches_next_id"}
+#: INTEGER PRIMARY KEY gives it; the NOTIFY that wakes the embedded broker's watchers
+#: when a broker row becomes ready (SQLite's watcher reads the WAL instead).
+POSTGRESQL_ONLY_TRIGGERS = {"dispatches_next_id", "broker_messages_ready_notify"}
 #: Columns (and their indexes) only PostgreSQL has: obligations' insertion order, which
 #: SQLite's rowid gives for free.
 POSTGRESQL_ONLY_COLUMNS = {("obligations", "page_seq")}

@@ -21,6 +21,7 @@ missing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -37,7 +38,8 @@ import pytest
 
 from runstile import dispatch, queues
 from runstile.config import Settings
-from runstile.ledger import broker_queue, db
+from runstile.ledger import broker_queue, db, migrations
+from tests import postgres
 from tests.conftest import (
     ROOT,
     RUNSTILE,
@@ -643,7 +645,10 @@ def test_a_run_waiting_for_its_profiles_slot_is_published_when_the_slot_frees(de
 # -- run priority (docs/api.md, "POST /v1/runs"; docs/operations.md, "RabbitMQ and run
 # priority"): Redis has no message priority, so it is no part of this contract.
 
-PRIORITY_BROKERS = [pytest.param("embedded"), pytest.param("rabbitmq", marks=pytest.mark.broker)]
+#: "embedded_postgresql": the embedded broker on a fresh PostgreSQL database of its own
+#: (skipped without RUNSTILE_TEST_DATABASE_URL).
+PRIORITY_BROKERS = [pytest.param("embedded"), pytest.param("embedded_postgresql"),
+                    pytest.param("rabbitmq", marks=pytest.mark.broker)]
 
 
 def consume_all(made, queue_name: str, count: int) -> list[str]:
@@ -662,11 +667,16 @@ def consume_all(made, queue_name: str, count: int) -> list[str]:
     return got
 
 
-def priority_broker(kind: str, ledger: Ledger):
-    """A fresh queue's broker: the embedded one, or RabbitMQ as runstile declares it."""
+def priority_broker(kind: str, ledger: Ledger, stack: contextlib.ExitStack):
+    """A fresh queue's broker: the embedded one (on the test's SQLite ledger, or on a
+    PostgreSQL database that ``stack`` drops), or RabbitMQ as runstile declares it."""
+    from runstile.workers.sqlite_broker import SQLiteBroker
     if kind == "embedded":
-        from runstile.workers.sqlite_broker import SQLiteBroker
         return SQLiteBroker(ledger.path, middleware=[])
+    if kind == "embedded_postgresql":
+        url = stack.enter_context(postgres.fresh_database())
+        migrations.migrate(url)
+        return SQLiteBroker(url, middleware=[])
     broker_available("rabbitmq")
     return dispatch.external_broker(RABBITMQ_URL, middleware=[], publishing=True)
 
@@ -680,8 +690,11 @@ def delete_queues(made, queue_name: str) -> None:
 @pytest.mark.parametrize("kind", PRIORITY_BROKERS)
 def test_a_higher_priority_message_is_delivered_first_then_arrival_order(kind, ledger):
     queue_name = f"runstile_priority_{os.getpid()}_{time.monotonic_ns()}"
-    made = priority_broker(kind, ledger)
-    try:
+    with contextlib.ExitStack() as stack:
+        made = priority_broker(kind, ledger, stack)
+        # Run last in first: the queues go, then the broker, then its database.
+        stack.callback(made.close)
+        stack.callback(delete_queues, made, queue_name)
         made.declare_queue(queue_name)
         sent = [(0, "a"), (0, "b"), (5, "c"), (9, "d"), (9, "e"), (3, "f")]
         for priority, tag in sent:
@@ -690,9 +703,6 @@ def test_a_higher_priority_message_is_delivered_first_then_arrival_order(kind, l
             assert message.options["broker_priority"] == priority
             made.enqueue(message)
         assert consume_all(made, queue_name, len(sent)) == ["d", "e", "c", "f", "a", "b"]
-    finally:
-        delete_queues(made, queue_name)
-        made.close()
 
 
 @pytest.mark.broker

@@ -1,7 +1,10 @@
-"""The embedded broker keeps Dramatiq's broker contract on a real ledger file.
+"""The embedded broker keeps Dramatiq's broker contract on a real ledger, on both engines.
 
-Real SQLite files, real ``dramatiq.Worker``s, real processes (one SIGKILLed, one
-Dramatiq CLI).  Waits poll a condition; no sleep decides an outcome.
+Real SQLite files and real PostgreSQL databases (each test once per engine; the
+PostgreSQL run skips without RUNSTILE_TEST_DATABASE_URL), real ``dramatiq.Worker``s,
+real processes (one SIGKILLed, one Dramatiq CLI).  Waits poll a condition; no sleep
+decides an outcome.  PostgreSQL's own wake-ups and concurrent claims are in
+test_ledger_broker_postgresql.py.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from tests.conftest import ROOT, wait_until
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.fixture
+def ledger(dual_ledger):
+    """Every test here runs on SQLite and on PostgreSQL."""
+    return dual_ledger
+
+
 def message(actor: str = "noop", *args, queue: str = "default") -> Message:
     return Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={})
 
@@ -45,7 +54,7 @@ def drain(consumer, count: int, timeout_s: float = 10.0) -> list:
     return got
 
 
-def rows(ledger, where: str = "1", args: tuple = ()) -> list[tuple]:
+def rows(ledger, where: str = "TRUE", args: tuple = ()) -> list[tuple]:
     return ledger.query(f"SELECT id, queue_name, message_id, state, claimed_by, eta "
                         f"FROM broker_messages WHERE {where} ORDER BY id", args)
 
@@ -57,7 +66,7 @@ def make_broker(ledger):
     def make(**options) -> SQLiteBroker:
         options.setdefault("consumer_timeout_s", 1.0)
         options.setdefault("heartbeat_interval_s", 0.1)
-        broker = SQLiteBroker(ledger.path, **options)
+        broker = SQLiteBroker(ledger.target, **options)
         broker.declare_queue("default")
         brokers.append(broker)
         return broker
@@ -102,7 +111,7 @@ class Recorder(Middleware):
 
 def test_declaring_a_queue_emits_the_queue_and_the_delay_queue_signal_once(ledger):
     recorder = Recorder()
-    broker = SQLiteBroker(ledger.path, middleware=[recorder])
+    broker = SQLiteBroker(ledger.target, middleware=[recorder])
     broker.declare_queue("reports")
     broker.declare_queue("reports")
     assert recorder.signals == [("queue", "reports"), ("delay_queue", "reports.DQ")]
@@ -113,8 +122,8 @@ def test_declaring_a_queue_emits_the_queue_and_the_delay_queue_signal_once(ledge
 
 
 def test_the_broker_runs_only_the_middleware_it_is_given(ledger):
-    assert [type(m) for m in SQLiteBroker(ledger.path).middleware] == [AsyncIO]
-    assert SQLiteBroker(ledger.path, middleware=[]).middleware == []
+    assert [type(m) for m in SQLiteBroker(ledger.target).middleware] == [AsyncIO]
+    assert SQLiteBroker(ledger.target, middleware=[]).middleware == []
 
 
 # -- enqueue, consume, ack, nack --------------------------------------------------------
@@ -321,7 +330,7 @@ def test_a_killed_consumer_process_gives_its_messages_back_to_another_consumer(
     started_file = tmp_path / "started.txt"
     sent = {broker.enqueue(message("block", i)).message_id for i in range(3)}
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "sqlite_broker_child.py"), str(ledger.path),
+        [sys.executable, str(HERE / "sqlite_broker_child.py"), str(ledger.target),
          str(started_file)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # Mid-consumption: two bodies are running and the third message is prefetched.
@@ -433,10 +442,10 @@ def test_a_forked_child_uses_its_own_connection_and_heartbeat_thread(broker, led
 
 def test_dramatiqs_own_cli_runs_an_actor_from_this_broker(ledger, tmp_path):
     out = tmp_path / "out.txt"
-    sender = SQLiteBroker(ledger.path)
+    sender = SQLiteBroker(ledger.target)
     sender.enqueue(Message(queue_name="default", actor_name="append_line",
                            args=(str(out), "hello from the ledger"), kwargs={}, options={}))
-    env = {**os.environ, "RUNSTILE_TEST_LEDGER": str(ledger.path)}
+    env = {**os.environ, "RUNSTILE_TEST_LEDGER": str(ledger.target)}
     cli = subprocess.Popen(
         [str(Path(sys.executable).parent / "dramatiq"), "--processes", "1", "--threads", "2",
          "tests.workers.sqlite_broker_cli_app"],
@@ -480,6 +489,8 @@ def _cpu_s() -> float:
 @pytest.mark.parametrize("wal_notify", [True, False], ids=["inotify", "polling"])
 def test_an_idle_consumer_gets_another_processs_message_within_milliseconds_without_spinning(
         make_broker, ledger, wal_notify):
+    if ledger.dialect != "sqlite":
+        pytest.skip("SQLite only: its WAL watch (PostgreSQL's LISTEN is tested apart)")
     # Production timings (heartbeat every 5 s), not the fast ones other tests use.
     broker = make_broker(wal_notify=wal_notify, consumer_timeout_s=15.0,
                          heartbeat_interval_s=None)
@@ -490,7 +501,7 @@ def test_an_idle_consumer_gets_another_processs_message_within_milliseconds_with
     idle_cpu = (_cpu_s() - cpu_before) / (time.monotonic() - idle_started)
 
     count = 25
-    producer = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(ledger.path), str(count)],
+    producer = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(ledger.target), str(count)],
                                 cwd=ROOT, stdout=subprocess.PIPE, text=True)
     received: dict[str, float] = {}
     deadline = time.monotonic() + 30

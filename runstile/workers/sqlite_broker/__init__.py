@@ -1,7 +1,8 @@
-"""The embedded Dramatiq broker: messages live in the ledger file (RUNSTILE_BROKER_URL=sqlite).
+"""The embedded Dramatiq broker: messages live in the ledger (RUNSTILE_BROKER_URL=sqlite),
+its SQLite file or its PostgreSQL database alike (the package keeps SQLite's name).
 
 Why a broker in the ledger: admission can then insert a run's message in the run's own
-``BEGIN IMMEDIATE`` transaction (:func:`enqueue_in`), so a ``202`` never exists without
+write transaction (:func:`enqueue_in`), so a ``202`` never exists without
 its message and no message exists without its run (docs/guarantees.md, "1. Durable
 admission").  No SQL here; the rows and their life are described in
 ``ledger/broker_queue.py`` and ``ledger/schema.sql``.
@@ -18,7 +19,8 @@ it keeps:
   prefetch window, giving rows back on close.
 * :mod:`.watcher` -- one thread per broker and process: heartbeats its consumers (a claim
   lasts as long as its consumer lives), releases the rows of dead consumers in any
-  process, and wakes idle consumers when another connection commits.
+  process, and wakes idle consumers when another connection commits; :mod:`.wakeup`
+  is how it learns of a commit on each engine (the WAL on SQLite, LISTEN on PostgreSQL).
 
 Delivery is at least once: a consumer that dies, closes or is restarted by Dramatiq gives
 its claimed rows back, and a delayed message is re-enqueued before its delay-queue row is
@@ -31,6 +33,7 @@ broker: it inserts a run's message with ``ledger/broker_queue.py`` in the run's 
 
 from .broker import (
                      DEFAULT_CONSUMER_TIMEOUT_S,
+                     DEFAULT_FALLBACK_POLL_S,
                      DEFAULT_POLL_INTERVAL_S,
                      MAX_HEARTBEAT_INTERVAL_S,
                      UNDECODABLE_ACTOR,
@@ -40,5 +43,5 @@ from .broker import (
                      enqueue_in,
 )
 
-__all__ = ["DEFAULT_CONSUMER_TIMEOUT_S", "DEFAULT_POLL_INTERVAL_S", "MAX_HEARTBEAT_INTERVAL_S",
+__all__ = ["DEFAULT_CONSUMER_TIMEOUT_S", "DEFAULT_FALLBACK_POLL_S", "DEFAULT_POLL_INTERVAL_S", "MAX_HEARTBEAT_INTERVAL_S",
            "UNDECODABLE_ACTOR", "SQLiteBroker", "default_middleware", "delayed", "enqueue_in"]

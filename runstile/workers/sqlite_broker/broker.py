@@ -3,7 +3,7 @@ are rows in the ledger, and :func:`enqueue_in` for callers that hold a transacti
 
 ``workers/broker.py`` builds it for worker processes; tests, the Dramatiq CLI and bench
 build it directly.  Consuming is in :mod:`.consumer`, waking and heartbeats in
-:mod:`.watcher`.
+:mod:`.watcher` (and :mod:`.wakeup`).
 
 The part of the Dramatiq contract kept here: ``declare_queue`` emits ``declare_queue``
 and ``declare_delay_queue``; delayed messages go to ``<queue>.DQ`` with an ``eta``
@@ -46,6 +46,10 @@ MAX_HEARTBEAT_INTERVAL_S = 5.0
 #: wake-up latency is then about half of this plus one claim transaction (each poll costs
 #: three syscalls, so polling much faster costs a visible share of a core).
 DEFAULT_POLL_INTERVAL_S = 0.01
+#: Seconds between two looks at every consumed queue on a PostgreSQL ledger, whose
+#: notifications wake consumers at once: this only bounds how long a lost notification
+#: (a reconnect, a writer that bypassed the trigger) can leave a message waiting.
+DEFAULT_FALLBACK_POLL_S = 1.0
 
 
 #: Connection pools inherited through fork(): kept referenced so that the child never
@@ -98,8 +102,10 @@ class SQLiteBroker(Broker):
     """A Dramatiq broker whose queues are rows in the ledger at ``path``.
 
     Parameters:
-      path: the ledger file, already migrated (``ledger.migrations.migrate``).
-      synchronous, busy_timeout_ms: SQLite settings for every connection it opens.
+      path: the ledger, already migrated (``ledger.migrations.migrate``): its SQLite file,
+        or a PostgreSQL URL (``Settings.ledger_target``; the name is SQLite's, the broker
+        is the same on both engines).
+      synchronous, busy_timeout_ms: settings for every connection it opens.
       middleware: the complete middleware list; :func:`default_middleware` when None.
       consumer_timeout_s: a consumer silent this long is dead; its rows go back to ready.
       heartbeat_interval_s: seconds between heartbeats (default: a third of the timeout,
@@ -107,6 +113,8 @@ class SQLiteBroker(Broker):
       poll_interval_s: seconds between ``PRAGMA data_version`` polls while consuming,
         where inotify is unavailable (or ``wal_notify`` is False).
       wal_notify: wake consumers through inotify on the ``-wal`` file (Linux).
+      fallback_poll_s: on PostgreSQL, seconds between looks at every consumed queue
+        besides the notifications (see :data:`DEFAULT_FALLBACK_POLL_S`).
     """
 
     def __init__(self, path: Path | str, *, synchronous: str = "FULL",
@@ -114,12 +122,15 @@ class SQLiteBroker(Broker):
                  consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
                  heartbeat_interval_s: float | None = None,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-                 wal_notify: bool = True) -> None:
+                 wal_notify: bool = True,
+                 fallback_poll_s: float = DEFAULT_FALLBACK_POLL_S) -> None:
         super().__init__(middleware=default_middleware() if middleware is None
                          else list(middleware))
-        if not consumer_timeout_s > 0 or not poll_interval_s > 0:
-            raise ValueError("consumer_timeout_s and poll_interval_s must be > 0")
-        self.path = Path(path)
+        if not consumer_timeout_s > 0 or not poll_interval_s > 0 or not fallback_poll_s > 0:
+            raise ValueError("consumer_timeout_s, poll_interval_s and fallback_poll_s "
+                             "must be > 0")
+        # As given: db.connect tells a file from a URL (Path() would mangle a URL's '//').
+        self.path: Path | str = path
         self.synchronous = synchronous
         self.busy_timeout_ms = busy_timeout_ms
         self.consumer_timeout_s = float(consumer_timeout_s)
@@ -130,6 +141,7 @@ class SQLiteBroker(Broker):
             raise ValueError("heartbeat_interval_s must be > 0 and < consumer_timeout_s")
         self.poll_interval_s = float(poll_interval_s)
         self.wal_notify = bool(wal_notify)
+        self.fallback_poll_s = float(fallback_poll_s)
         self.queues: set[str] = set()
         self.pool = db.ConnectionPool(self.path, synchronous=synchronous,
                                       busy_timeout_ms=busy_timeout_ms)
@@ -150,8 +162,9 @@ class SQLiteBroker(Broker):
         inherited, self._watcher = self._watcher, None
         if inherited is not None:
             inherited.forget_after_fork()
-        # SQLite forbids touching a connection opened before fork(), closing included:
-        # park the inherited pool (never used, never closed) and start a fresh one.
+        # SQLite forbids touching a connection opened before fork(), closing included, and
+        # closing an inherited PostgreSQL session would end the parent's: park the
+        # inherited pool (never used, never closed) and start a fresh one.
         _INHERITED_POOLS.append(self.pool)
         self.pool = db.ConnectionPool(self.path, synchronous=self.synchronous,
                                       busy_timeout_ms=self.busy_timeout_ms)

@@ -10,20 +10,20 @@ consumer of the process registers; :class:`.consumer.SQLiteConsumer` sleeps on i
   consumers (a ``broker_consumers`` row each) and releases the rows of consumers whose
   heartbeat stopped, in any process.  A per-message timer would redeliver the delayed
   messages a live worker is rightly holding.
-* Idle wake-up without a busy loop: the thread sleeps on inotify for the ledger's
-  ``-wal`` file (Linux), and when a writer appends frames it polls ``PRAGMA
-  data_version`` (which moves when another connection commits) for the few milliseconds
-  until the commit is visible; elsewhere it polls ``data_version`` every
-  ``poll_interval_s``.
+* Idle wake-up without a busy loop: the thread sleeps on its ledger's commit signal
+  (:mod:`.wakeup`): on SQLite inotify for the ``-wal`` file (Linux) and then ``PRAGMA
+  data_version`` until the commit is visible (elsewhere ``data_version`` every
+  ``poll_interval_s``); on PostgreSQL a LISTEN session that the ledger notifies with the
+  queue of every row that becomes ready, and a look at every queue each
+  ``fallback_poll_s`` for a notification that was lost.
 """
 
 from __future__ import annotations
 
-import ctypes
+import collections
 import os
 import select
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Collection
@@ -34,78 +34,23 @@ from dramatiq.logging import get_logger
 
 from ...errors import RunstileError
 from ...ledger import broker_queue, db
+from .wakeup import CommitSignal, open_signal
 
 if TYPE_CHECKING:
     from .broker import SQLiteBroker
     from .consumer import SQLiteConsumer
 
 
-class WalNotifier:
-    """Linux inotify on the ledger's ``-wal`` file: readable when any process appends
-    WAL frames.  A writer appends its frames *before* its commit becomes visible (the
-    fsync and the wal-index update come after), so an event means "a commit is on its
-    way", confirmed by ``PRAGMA data_version``.  None where inotify is unavailable."""
-
-    IN_MODIFY = 0x2
-    IN_NONBLOCK = 0o4000
-    IN_CLOEXEC = 0o2000000
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    @classmethod
-    def open(cls, wal_path: str) -> WalNotifier | None:
-        if not sys.platform.startswith("linux") or not os.path.exists(wal_path):
-            return None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(cls.IN_NONBLOCK | cls.IN_CLOEXEC)
-            if fd < 0:
-                return None
-            if libc.inotify_add_watch(fd, os.fsencode(wal_path), cls.IN_MODIFY) < 0:
-                os.close(fd)
-                return None
-        except (OSError, AttributeError):
-            return None
-        return cls(fd)
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def drain(self) -> bool:
-        """Consume pending events; True if there were any."""
-        seen = False
-        try:
-            while os.read(self.fd, 4096):
-                seen = True
-        except BlockingIOError:
-            pass
-        return seen
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 class Watcher:
     """One thread per broker and process: heartbeats its consumers, reaps dead ones in
     every process, and wakes waiting consumers when another connection commits.
 
-    Wake-up: block on inotify (:class:`WalNotifier`) until a writer touches the WAL,
-    then poll ``PRAGMA data_version`` at doubling intervals from ``settle_interval_s``
-    until the commit is visible (or ``settle_window_s`` passes: the writer rolled back).  Without
-    inotify, poll ``data_version`` every ``poll_interval_s``.  Either way nothing spins
-    while the ledger is idle.  It runs only while the process has open consumers; a web
-    process that only enqueues never starts it.
+    Wake-up: block on the ledger's commit signal (:mod:`.wakeup`), which says which
+    queues may have a ready row, or that something committed (then one
+    ``broker_queue.ready_among`` read says which).  Nothing spins while the ledger is
+    idle.  It runs only while the process has open consumers; a web process that only
+    enqueues never starts it.
     """
-
-    #: First pause between data_version polls while a commit is on its way; it doubles
-    #: at each poll (a commit is usually visible after one fsync), so one WAL write costs
-    #: about eight polls even when its commit never shows (a rollback, our own write).
-    settle_interval_s = 0.001
-    #: Seconds after a WAL write before giving up on seeing its commit.
-    settle_window_s = 0.2
-    #: Longest block on inotify: a safety net for anything it could miss.
-    safety_poll_s = 1.0
 
     def __init__(self, broker: SQLiteBroker) -> None:
         self.broker = broker
@@ -120,8 +65,11 @@ class Watcher:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        #: "inotify" or "poll" once the thread has started (for tests and reports).
+        #: "inotify", "poll" or "listen" once the thread has started (tests, reports).
         self.mode: str | None = None
+        #: Wake-ups that found work for a consumer, by reason: "commit" (SQLite),
+        #: "notify" or "fallback" (PostgreSQL).  Only this thread writes it.
+        self.wakeups: collections.Counter[str] = collections.Counter()
 
     def add(self, consumer: SQLiteConsumer) -> None:
         with self.cond:
@@ -152,17 +100,20 @@ class Watcher:
         for consumer in woken:
             consumer.woken.set()
 
-    def _wake_ready(self, conn: sqlite3.Connection) -> None:
-        """Another connection committed: wake the consumers whose queue has a message.
+    def _wake_ready(self, conn: sqlite3.Connection, reason: str,
+                    queues: set[str] | None) -> None:
+        """Wake the consumers of ``queues`` (None: of those queues that have a message).
 
         Why no consumer sleeps through one: a consumer clears its event *before* it
         looks for messages, so a message committed after its look is committed after
-        the clear; its commit moves data_version, which this thread sees afterwards and
-        answers with this read, which shows the message and sets the event."""
+        the clear; its commit moves data_version (SQLite) or sends its notification
+        (PostgreSQL, at COMMIT), which this thread sees afterwards and answers by
+        setting the event -- on SQLite after this read, which shows the message."""
         with self.cond:
             names = {c.queue_name for c in self.consumers.values()}
-        ready = broker_queue.ready_among(conn, names)
+        ready = names & queues if queues is not None else broker_queue.ready_among(conn, names)
         if ready:
+            self.wakeups[reason] += 1
             self.poke(ready)
 
     def stop(self) -> None:
@@ -230,21 +181,20 @@ class Watcher:
 
     def _step(self, loop: _Loop) -> None:
         """One turn of the thread: open what is closed, heartbeat when due, block until a
-        wake-up reason or a timeout, then wake consumers if another connection committed."""
-        if loop.conn is None:
+        wake-up reason or a timeout, then wake the consumers the commit signal names."""
+        if loop.signal is None:
             self.mode = loop.open()
+        signal, beat_conn = loop.signal, loop.beat_conn
+        assert signal is not None and beat_conn is not None  # opened above
         now = time.monotonic()
         if loop.beat_due(now):
-            assert loop.beat_conn is not None  # opened above, with loop.conn
-            self._beat(loop.beat_conn)
-        waits, timeout = loop.waits(self._wake_r, now)
-        ready, _, _ = select.select(waits, [], [], timeout)
+            self._beat(beat_conn)
+        waits, timeout = signal.waits(now, loop.next_beat)
+        ready, _, _ = select.select([self._wake_r, *waits], [], [], timeout)
         if self._wake_r in ready:
             _drain_pipe(self._wake_r)
-        written = loop.notifier.drain() if loop.notifier is not None else False
-        if loop.observe(written):
-            assert loop.conn is not None  # opened above
-            self._wake_ready(loop.conn)
+        for reason, queues in signal.observe(time.monotonic()):
+            self._wake_ready(signal.conn, reason, queues)
 
     def _beat(self, conn: sqlite3.Connection) -> None:
         # Under beat_lock: a consumer's close takes it too, so a heartbeat already under
@@ -259,35 +209,27 @@ class Watcher:
 
 class _Loop:
     """What one life of the watcher thread holds (the thread exits when its last consumer
-    closes and starts again with the next one): its connections and inotify watch, when
-    the next heartbeat is due, and whether a commit it saw being written is still on its
-    way.  Only that thread touches it."""
+    closes and starts again with the next one): its commit signal, the connection its
+    heartbeats go through, and when the next heartbeat is due.  Only that thread
+    touches it."""
 
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
         self.broker = watcher.broker
-        # Two connections: data_version never moves for a connection's own commits, so
-        # heartbeats go through a second one and show up like anyone else's commit
+        self.signal: CommitSignal | None = None
+        # A connection apart from the signal's: data_version never moves for a
+        # connection's own commits, so heartbeats show up like anyone else's commit
         # (otherwise each heartbeat would look like a commit that never arrives).
-        self.conn: sqlite3.Connection | None = None
         self.beat_conn: sqlite3.Connection | None = None
-        self.notifier: WalNotifier | None = None
-        self.last_version: int | None = None
-        #: The data_version at the last WAL write, while its commit is awaited.
-        self.awaiting: int | None = None
-        self.next_beat = self.settle_until = self.settle_pause = 0.0
+        self.next_beat = 0.0
 
     def open(self) -> str:
-        """Open both connections (and the inotify watch); returns the wake-up mode."""
+        """Open the commit signal and the heartbeat connection; returns the wake-up mode."""
         broker = self.broker
-        self.conn, self.beat_conn = (
-            db.connect(broker.path, synchronous=broker.synchronous,
-                       busy_timeout_ms=broker.busy_timeout_ms)
-            for _ in range(2))
-        self.last_version = broker_queue.data_version(self.conn)  # creates -wal
-        if broker.wal_notify:
-            self.notifier = WalNotifier.open(str(broker.path) + "-wal")
-        return "inotify" if self.notifier else "poll"
+        self.signal = open_signal(broker)
+        self.beat_conn = db.connect(broker.path, synchronous=broker.synchronous,
+                                    busy_timeout_ms=broker.busy_timeout_ms)
+        return self.signal.mode
 
     def beat_due(self, now: float) -> bool:
         """Whether a heartbeat is due at ``now``; if so, the next one is scheduled."""
@@ -296,47 +238,14 @@ class _Loop:
         self.next_beat = now + self.broker.heartbeat_interval_s
         return True
 
-    def waits(self, wake_fd: int, now: float) -> tuple[list[int], float]:
-        """The descriptors to block on, and for how many seconds at most."""
-        if self.notifier is None:
-            return [wake_fd], self.broker.poll_interval_s
-        if now < self.settle_until:
-            # A new WAL write ends the pause at once and restarts the backoff.
-            pause, self.settle_pause = self.settle_pause, self.settle_pause * 2
-            return [wake_fd, self.notifier.fd], pause
-        return [wake_fd, self.notifier.fd], min(self.watcher.safety_poll_s,
-                                                max(0.0, self.next_beat - now))
-
-    def observe(self, written: bool) -> bool:
-        """Read data_version after a wake-up (``written``: inotify saw WAL frames).
-        True if another connection committed since the last look."""
-        assert self.conn is not None  # opened at the start of this turn
-        version = broker_queue.data_version(self.conn)
-        moved, self.last_version = version != self.last_version, version
-        if written:
-            # Frames are in the WAL; their commit is visible once the version moves past
-            # this one.  SQLite has one writer at a time, so every earlier commit is
-            # already counted in it.
-            self.awaiting = version
-            self.settle_until = time.monotonic() + self.watcher.settle_window_s
-            self.settle_pause = self.watcher.settle_interval_s
-        elif self.awaiting is not None and (version != self.awaiting
-                                            or time.monotonic() >= self.settle_until):
-            self.awaiting, self.settle_until = None, 0.0
-        return moved
-
     def close(self) -> None:
-        _close(self.notifier, self.conn, self.beat_conn)
-        self.conn = self.beat_conn = self.notifier = None
-
-
-def _close(*closables) -> None:
-    for closable in closables:
-        if closable is not None:
-            try:
-                closable.close()
-            except (OSError, sqlite3.Error):
-                pass
+        for closable in (self.signal, self.beat_conn):
+            if closable is not None:
+                try:
+                    closable.close()
+                except (OSError, sqlite3.Error):
+                    pass
+        self.signal = self.beat_conn = None
 
 
 def _drain_pipe(fd: int) -> None:

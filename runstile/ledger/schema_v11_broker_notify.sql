@@ -1,0 +1,5 @@
+-- Migration 11: nothing to do on SQLite.  Its PostgreSQL twin
+-- (postgresql/0011_broker_notify.sql) adds a trigger that NOTIFYs the embedded broker's
+-- watchers when a broker row becomes ready; on SQLite the watcher learns of every commit
+-- from the WAL file and PRAGMA data_version (workers/sqlite_broker/watcher.py), which
+-- needs nothing in the schema.
