@@ -12,11 +12,12 @@ workers (runstile/up.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 
-from ..errors import LedgerUnavailable, NodeLocked
-from . import migrations, nodes
-from .db_postgresql import PgConnection, connect
+from ..errors import LedgerUnavailable, NodeLocked, redact_url
+from . import db, migrations, nodes
 from .db_postgresql_dialect import NODE_LOCK_ROWS, NODE_LOCKS
 
 #: Is this session the holder (the lock, by key, granted to this backend)?
@@ -36,13 +37,13 @@ class AdvisoryNodeLock:
         self.node_id = node_id
         self.busy_timeout_ms = busy_timeout_ms
         self.key: int | None = None
-        self._conn: PgConnection | None = None
+        self._conn: sqlite3.Connection | None = None  # a PgConnection, by db.connect
 
     def acquire(self) -> AdvisoryNodeLock:
         """Take the lock or raise NodeLocked (one line, exit 2).  Migrates first: the key
         is a column of migration 12."""
         migrations.migrate(self.url, busy_timeout_ms=self.busy_timeout_ms)
-        conn = connect(self.url, busy_timeout_ms=self.busy_timeout_ms)
+        conn = db.connect(self.url, busy_timeout_ms=self.busy_timeout_ms)
         try:
             self.key = nodes.lock_key(conn, self.node_id)
             conn.execute("SELECT set_config('application_name', ?, false)",
@@ -59,7 +60,7 @@ class AdvisoryNodeLock:
             conn.close()
             who = holder[0] if holder and holder[0] else "another process"
             raise NodeLocked(
-                f"node {self.node_id!r} is already running on {conn.writer_path} ({who}); "
+                f"node {self.node_id!r} is already running on {redact_url(self.url)} ({who}); "
                 "stop it first or give this one another RUNSTILE_NODE_ID")
         self._conn = conn
         return self
@@ -75,7 +76,12 @@ class AdvisoryNodeLock:
             return False
 
     def release(self) -> None:
-        """Ending the session releases the lock (an explicit unlock would say the same)."""
+        """Unlock, then end the session.  Ending it alone would release the lock too, but
+        the server may notice a closed connection a moment later: the unlock makes a
+        clean stop's lock free before this returns (a restart right after finds it so)."""
         if self._conn is not None:
+            with contextlib.suppress(LedgerUnavailable):
+                self._conn.execute("SELECT pg_advisory_unlock(CAST(? AS integer), "
+                                   "CAST(? AS integer))", (NODE_LOCKS, self.key))
             self._conn.close()
             self._conn = None

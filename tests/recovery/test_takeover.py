@@ -65,7 +65,7 @@ def test_a_node_whose_lock_is_held_keeps_its_runs_and_one_whose_lock_is_free_los
                                 trigger="command")
     assert report.taken_over == {}
     assert {s for (s,) in pg_ledger.query("SELECT status FROM runs")} == {"running"}
-    lock.release()  # node-a's session ends, as it does when its process dies
+    lock.release()  # node-a lets go, as the server does when its process dies
     assert ledger_recovery.dead_nodes(conn, node_id="node-b") == {"node-a": 1}
     assert ledger_recovery.dead_nodes(conn, node_id="node-a") == {}, "never itself"
     conn.close()
