@@ -176,3 +176,33 @@ def test_a_node_whose_lock_session_ends_kills_its_workers_and_exits_non_zero(pg,
                "the node's worker processes to be gone")
     assert node(pg, tmp_path, "n1", threads=1).proc.poll() is None  # the name is free
     assert generation(pg, "n1") == 2
+
+
+def test_runstile_recover_on_postgresql_takes_over_a_dead_nodes_runs_and_says_so(
+        pg, tmp_path):
+    log, key = tmp_path / "executions.log", pg.key()
+    runs = [admit(pg, key, "t.hold", log) for _ in range(2)]
+    a = node(pg, tmp_path, "node-a", threads=2)
+    wait_until(lambda: pg.query("SELECT COUNT(*) FROM runs WHERE status = 'running'")[0][0]
+               == len(runs), 30, 0.1, "node-a to hold both runs")
+    alive = subprocess.run(
+        [sys.executable, "-m", "runstile", "recover", "--json", "--data-dir",
+         str(tmp_path / "ops")], env={**os.environ, **env_of(pg, "ops")},
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert alive.returncode == 0, alive.stderr
+    assert json.loads(alive.stdout)["taken_over"] == {}
+    a.kill(signal.SIGKILL)
+
+    def recover() -> dict | None:
+        done = subprocess.run(
+            [sys.executable, "-m", "runstile", "recover", "--json", "--data-dir",
+             str(tmp_path / "ops")], env={**os.environ, **env_of(pg, "ops")},
+            capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        return report if report["taken_over"] else None
+
+    report = wait_until(recover, 20, 0.2, "`runstile recover` to find node-a dead")
+    assert report["taken_over"] == {"node-a": 1}
+    assert report["counts"]["taken_over"] == report["counts"]["interrupted"] == len(runs)
+    assert PASSWORD not in json.dumps(report)
