@@ -184,6 +184,14 @@ def share_metrics_across_processes(folder: str) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
 
 
+def pass_ledger_to_children(settings: Settings) -> None:
+    """Hand a PostgreSQL ledger given by flag (--database-url) to every process this one
+    starts, through the environment (RUNSTILE_DATABASE_URL): never through argv, which
+    every user of the machine can read (ps) and which would show the URL's password."""
+    if settings.database_url:
+        os.environ["RUNSTILE_DATABASE_URL"] = settings.database_url
+
+
 #: Prefix of the multiprocess folders ``up`` and ``serve`` make in the temporary directory.
 METRICS_FOLDER_PREFIX = "runstile-metrics-"
 

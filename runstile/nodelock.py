@@ -40,6 +40,10 @@ class NodeLock:
         self._fd = fd
         return self
 
+    def held(self) -> bool:
+        """Always True once taken: the kernel holds an flock as long as this process lives."""
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

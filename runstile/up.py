@@ -25,12 +25,12 @@ from . import tasks as registry
 from .config import (
     Settings,
     new_metrics_folder,
+    pass_ledger_to_children,
     share_metrics_across_processes,
     shared_metrics_folder,
 )
 from .errors import ConfigError
 from .ledger import db, keys, maintenance, migrations, nodes
-from .nodelock import NodeLock
 from .recovery import reconcile
 from .signals import StopSignals
 from .workers.scheduler import Scheduler
@@ -40,6 +40,8 @@ from .workers.scheduler import Scheduler
 KILL_GRACE_S = 5.0
 #: Seconds between two looks at the children and the signal pipe.
 WATCH_S = 0.1
+#: Most seconds between two confirmations that the node lock is still held.
+LOCK_CHECK_S = 1.0
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -102,6 +104,9 @@ class Supervisor:
     #: Set by the main thread alone, once it has forwarded SIGTERM to the children.
     stopping: bool = False
     signals: StopSignals | None = None
+    lock: nodes.HeldLock | None = None
+    #: time.monotonic() of the latest confirmation that the node lock is held.
+    lock_confirmed: float = 0.0
 
     def say(self, message: str, *, err: bool = False, level: str = "INFO") -> None:
         """A line the supervisor prints itself: as it is, or (RUNSTILE_LOG_FORMAT=json)
@@ -150,7 +155,7 @@ class Supervisor:
             self.children.append(child)
 
     def bootstrap(self, generation: int) -> None:
-        conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous,
+        conn = db.connect(self.settings.ledger_target, synchronous=self.settings.synchronous,
                           busy_timeout_ms=self.settings.busy_timeout_ms)
         try:
             first_start = not keys.list_keys(conn)
@@ -191,23 +196,53 @@ class Supervisor:
     def run(self) -> int:
         logs.configure(self.settings.log_format, node=self.settings.node_id,
                        text_format="%(asctime)s %(levelname)s [supervisor] %(message)s")
-        lock = NodeLock(self.settings.data_dir, self.settings.node_id).acquire()
+        s = self.settings
+        lock = self.lock = nodes.node_lock(s.ledger_target, data_dir=s.data_dir,
+                                           node_id=s.node_id,
+                                           busy_timeout_ms=s.busy_timeout_ms).acquire()
+        self.lock_confirmed = time.monotonic()
         metrics_dir = None
         try:
             if self.web:
                 # Before a ledger, a key or a line: a port taken is a usage error.
                 check_port_free(self.settings.host, self.settings.port)
             metrics_dir = share_metrics(self.settings)
+            pass_ledger_to_children(self.settings)
+            threading.Thread(target=self._confirm_lock, name="runstile-node-lock",
+                             daemon=True).start()
             return self._run_locked()
         finally:
+            self.stopping = True  # ends _confirm_lock
             lock.release()
             if metrics_dir is not None:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
 
+    def _confirm_lock(self) -> None:
+        """Ask the node lock every LOCK_CHECK_S (or heartbeat) whether it is still held:
+        on PostgreSQL it lives in a server session, which a cut connection or a server
+        restart ends.  In a thread of its own, so a server that stops answering never
+        stalls the watch loop; :meth:`_lock_lost` judges by the time of the last yes."""
+        assert self.lock is not None
+        while not self.stopping:
+            if not self.lock.held():
+                self.lock_confirmed = float("-inf")  # a definite no: lost now
+                return
+            self.lock_confirmed = time.monotonic()
+            time.sleep(min(LOCK_CHECK_S, self.settings.heartbeat_s))
+
+    def _lock_lost(self) -> bool:
+        """True once the lock is gone, or has not been confirmed for a heartbeat and a
+        check (a server that stopped answering): the node
+        is then no longer provably alive, and another node may take over its runs
+        (docs/operations.md, "Node lock and generations")."""
+        silence = time.monotonic() - self.lock_confirmed
+        return silence > min(LOCK_CHECK_S, self.settings.heartbeat_s) + self.settings.heartbeat_s
+
     def _boot_generation(self) -> int:
-        migrations.migrate(self.settings.ledger_path, synchronous=self.settings.synchronous,
+        migrations.migrate(self.settings.ledger_target, synchronous=self.settings.synchronous,
                            busy_timeout_ms=self.settings.busy_timeout_ms)
-        conn = db.connect(self.settings.ledger_path, synchronous=self.settings.synchronous)
+        conn = db.connect(self.settings.ledger_target, synchronous=self.settings.synchronous,
+                          busy_timeout_ms=self.settings.busy_timeout_ms)
         try:
             return nodes.boot(conn, self.settings.node_id)
         finally:
@@ -296,6 +331,15 @@ class Supervisor:
             if signals.wait(WATCH_S):
                 self._stop()
                 break
+            if self._lock_lost():
+                # Not a drain: the runs may be another node's already, and every moment a
+                # body runs on is a moment two executions may overlap.
+                self.say("runstile: lost the node lock (its ledger session ended); another "
+                         "node may take over this node's runs: killing the workers", err=True,
+                         level="ERROR")
+                self.stopping = failed = True
+                self._signal_children(signal.SIGKILL)
+                break
             for child in self.children:
                 code = child.started().poll()
                 if code is not None:
@@ -319,7 +363,7 @@ class Supervisor:
         alone is complete after a clean stop (the WAL is never optional, but operators
         copying files by hand should not be one step from losing acknowledged runs)."""
         try:
-            maintenance.fold_wal(self.settings.ledger_path)
+            maintenance.fold_wal(self.settings.ledger_target)
         except Exception as exc:  # noqa: BLE001 - reported; the WAL stays valid either way
             self.say(f"runstile: could not fold the WAL into the ledger: {exc}", err=True,
                      level="ERROR")

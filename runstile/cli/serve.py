@@ -111,6 +111,7 @@ def _serve_args(settings: Settings) -> list[str]:
 
 @click.command("up")
 @settings_options
+@runs_on_postgresql
 @listen_options
 @pool_options
 @queue_options
@@ -126,6 +127,7 @@ def up(settings, host, port, workers, threads, queues, queue_threads, web_worker
 
 @click.command("worker")
 @settings_options
+@runs_on_postgresql
 @pool_options
 @queue_options
 def worker(settings, workers, threads, queues, queue_threads):
@@ -138,6 +140,7 @@ def worker(settings, workers, threads, queues, queue_threads):
 
 @click.command("worker-process", hidden=True)
 @settings_options
+@runs_on_postgresql
 @click.option("--generation", type=click.IntRange(1), required=True)
 @click.option("--threads", type=click.IntRange(1, 256), default=None)
 @queue_options
@@ -151,6 +154,7 @@ def worker_process(settings, generation, threads, queues, queue_threads):
 
 @click.command("recover")
 @settings_options
+@runs_on_postgresql
 @json_option(help="Print the report as one JSON object.")
 def recover(settings, as_json):
     """One recovery pass now (for cron); never bumps a node generation."""
@@ -166,7 +170,7 @@ def recover(settings, as_json):
                    text_format="%(asctime)s %(levelname)s [recover] %(message)s")
     registry.load(settings.tasks)
     _ledger(settings).close()
-    conn = ledger_db.connect(settings.ledger_path, busy_timeout_ms=settings.busy_timeout_ms)
+    conn = ledger_db.connect(settings.ledger_target, busy_timeout_ms=settings.busy_timeout_ms)
     try:
         generation, _ = ledger_recovery.node_generations(conn, settings.node_id)
     finally:

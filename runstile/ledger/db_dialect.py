@@ -133,5 +133,12 @@ class SqliteDialect:
         """The larger of two SQL values."""
         return f"MAX({first}, {second})"
 
+    def node_lock_free(self, key: str) -> str | None:
+        """A condition: no session holds the node lock of ``key`` (nodes.lock_key), read
+        without taking it.  None where the engine cannot tell that way: SQLite's lock is
+        an flock, and a probe that took it would refuse a node starting at that moment;
+        there, another node's runs are recovered when their leases lapse."""
+        return None
+
 
 SQLITE = SqliteDialect()

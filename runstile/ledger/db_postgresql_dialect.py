@@ -13,6 +13,17 @@ from .db_dialect import SqliteDialect
 
 #: The ledger clock: Unix seconds of the statement's start, as SQLite's is per statement.
 NOW = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS double precision)"
+#: The namespace of node locks: ``pg_advisory_lock(NODE_LOCKS, nodes.lock_key)``, the
+#: two-int4 form (pg_locks: classid, objid, objsubid 2), apart from the writer lock's one
+#: bigint key (objsubid 1) whatever the keys.  'rnod'.
+NODE_LOCKS = 0x726E6F64
+#: pg_locks rows of node lock ``{key}`` in this database (advisory locks are per
+#: database, pg_locks shows the whole server's).
+NODE_LOCK_ROWS = (
+    "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND database = "
+    "(SELECT oid FROM pg_database WHERE datname = current_database()) AND "
+    f"CAST(classid AS bigint) = {NODE_LOCKS} AND CAST(objid AS bigint) = {{key}} "
+    "AND objsubid = 2 AND granted")
 #: A row-id column for inserts whose callers read ``lastrowid`` (SQLite's rowid).
 _ROW_IDS = {"dispatches": "id", "broker_messages": "id", "recovery_reports": "id",
             "runs": "seq"}
@@ -97,6 +108,10 @@ class PostgresDialect(SqliteDialect):
 
     def greatest(self, first: str, second: str) -> str:
         return f"GREATEST({first}, {second})"
+
+    def node_lock_free(self, key: str) -> str | None:
+        # pg_locks is read as it is now, not as of a snapshot: so is the lock's holder.
+        return f"NOT EXISTS ({NODE_LOCK_ROWS.format(key=f'CAST({key} AS bigint)')})"
 
 
 POSTGRESQL = PostgresDialect()

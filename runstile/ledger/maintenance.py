@@ -69,9 +69,12 @@ def _impossible_rows(conn: sqlite3.Connection, limit: int = 20) -> list[str]:
     return problems
 
 
-def fold_wal(path: Path) -> None:
+def fold_wal(path: Path | str) -> None:
     """Fold the WAL into the main file (a TRUNCATE checkpoint), so that after a clean stop
-    the main file alone is complete.  Raises LedgerUnavailable when it cannot."""
+    the main file alone is complete.  Raises LedgerUnavailable when it cannot.  A
+    PostgreSQL ledger (a URL) has no WAL of runstile's to fold: nothing to do."""
+    if db.is_database_url(path):
+        return
     conn = db.connect(path, busy_timeout_ms=1000)
     try:
         with db.ledger_errors():

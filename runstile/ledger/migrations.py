@@ -37,6 +37,7 @@ MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (9, _script("schema_v9_queue.sql")),  # the queue a run travels on
     (10, _script("schema_v10_schedules.sql")),  # schedules' durable state (pause, progress)
     (11, _script("schema_v11_broker_notify.sql")),  # PostgreSQL: NOTIFY of ready broker rows
+    (12, _script("schema_v12_node_lock_keys.sql")),  # node lock keys, takeover reports
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -55,6 +55,41 @@ def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
     return [dict(r) for r in rows]
 
 
+def dead_nodes(conn: sqlite3.Connection, *, node_id: str) -> dict[str, int]:
+    """Other nodes that still own running or stopping runs and whose node lock no session
+    holds: {node id: generation}.  Every run such a node owns at that generation or an
+    earlier one is orphaned, whatever its lease says (takeover, docs/operations.md,
+    "Node lock and generations").  Empty where the engine cannot read a lock without
+    taking it (SQLite: leases lapse instead)."""
+    free = db.dialect(conn).node_lock_free("?")
+    if free is None:
+        return {}
+    with db.ledger_errors():
+        candidates = conn.execute(
+            "SELECT id, generation, lock_key FROM nodes WHERE id != ? AND generation > 0 "
+            "AND lock_key IS NOT NULL AND EXISTS (SELECT 1 FROM runs WHERE runs.owner_node "
+            "= nodes.id AND runs.status IN ('running', 'stopping'))", (node_id,)).fetchall()
+        # The order is the argument, so two statements: first the generation G, then the
+        # lock.  A node bumps its generation only while holding its lock, and holds it
+        # for life; so if the lock is free after G was read, whoever booted G (and every
+        # generation before it) has let go of it, and is dead.  A node that takes the
+        # lock after that look boots G + 1 or later, and its runs are not ours to judge.
+        # Read the other way round (lock free, then the generation), a node starting in
+        # between would have its brand-new generation judged dead.
+        return {row[0]: int(row[1]) for row in candidates
+                if conn.execute(f"SELECT {free}", (row[2],)).fetchone()[0]}
+
+
+def orphaned_of(conn: sqlite3.Connection, *, node_id: str, generation: int,
+                limit: int) -> list[dict[str, Any]]:
+    """Running or stopping runs of another node found dead (:func:`dead_nodes`) at
+    ``generation``, owned by that generation or an earlier one."""
+    rows = conn.execute(
+        f"SELECT {_ORPHAN_COLUMNS} FROM runs WHERE owner_node = ? AND owner_generation <= ? "
+        "AND status IN ('running', 'stopping') LIMIT ?", (node_id, generation, limit)).fetchall()
+    return [dict(r) for r in rows]
+
+
 def classify(conn: sqlite3.Connection, run: dict[str, Any], *, on_crash: str, budget: int,
              uncertain: bool | None = None) -> tuple[str, str | None]:
     """The row of docs/tasks.md, "When the worker is gone" for ``run``: (class, reason).
@@ -330,12 +365,15 @@ def open_barrier(conn: sqlite3.Connection, node_id: str, generation: int) -> boo
 
 
 def record_report(conn: sqlite3.Connection, *, node_id: str, generation: int, trigger: str,
-                  started_at: float, counts: dict[str, float]) -> int:
+                  started_at: float, counts: dict[str, float],
+                  taken_over: dict[str, int] | None = None) -> int:
+    """The pass's report; ``taken_over``: the dead nodes whose runs it classified."""
     with db.transaction(conn):
         report_id: int = conn.execute(
             "INSERT INTO recovery_reports (node_id, generation, trigger, started_at, finished_at, "
-            f"counts) VALUES (?, ?, ?, ?, {NOW}, ?) RETURNING id",
-            (node_id, generation, trigger, started_at, json.dumps(counts, sort_keys=True))
+            f"counts, taken_over) VALUES (?, ?, ?, ?, {NOW}, ?, ?) RETURNING id",
+            (node_id, generation, trigger, started_at, json.dumps(counts, sort_keys=True),
+             json.dumps(taken_over, sort_keys=True) if taken_over else None)
         ).fetchone()[0]
         return report_id
 
@@ -344,7 +382,9 @@ def latest_reports(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, 
     with db.ledger_errors():
         rows = conn.execute("SELECT * FROM recovery_reports ORDER BY id DESC LIMIT ?",
                             (limit,)).fetchall()
-    return [{**dict(r), "counts": json.loads(r["counts"])} for r in rows]
+    return [{**dict(r), "counts": json.loads(r["counts"]),
+             "taken_over": json.loads(r["taken_over"]) if r["taken_over"] else {}}
+            for r in rows]
 
 
 def ledger_now(conn: sqlite3.Connection) -> float:

@@ -72,12 +72,15 @@ class Report:
     counts: dict = field(default_factory=lambda: collections.Counter())
     duration_s: float = 0.0
     report_id: int | None = None
+    #: Other nodes found dead whose runs this pass classified: {node id: generation}.
+    taken_over: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"node_id": self.node_id, "generation": self.generation,
                 "trigger": self.trigger,
                 "counts": {name: n for name, n in self.counts.items() if n},
-                "duration_s": round(self.duration_s, 4), "report_id": self.report_id}
+                "duration_s": round(self.duration_s, 4), "report_id": self.report_id,
+                "taken_over": self.taken_over}
 
 
 def _on_crash(task: str) -> str:
@@ -132,7 +135,8 @@ def run_pass(settings: Settings, *, generation: int, trigger: str) -> Report:
         report.report_id = recovery.record_report(  # 7. the report
             conn, node_id=settings.node_id, generation=generation, trigger=trigger,
             started_at=step.started_at,
-            counts={**report.as_dict()["counts"], "duration_s": report.duration_s})
+            counts={**report.as_dict()["counts"], "duration_s": report.duration_s},
+            taken_over=report.taken_over)
         # The pass's commits left their pages in the WAL (see recovery.open_pass): copy
         # them back now, holding no lock that a writer waits for.  After the report, so
         # not in its duration_s (the barrier, at boot, still opens only after it).
@@ -203,7 +207,9 @@ def _sweep_obligations(p: _Pass) -> None:
 def _reconcile_journal(p: _Pass) -> None:
     """Step 3: the runs whose owner is gone, CLASSIFY_BATCH per transaction, each
     classified (docs/tasks.md, "When the worker is gone") and moved by a guarded UPDATE;
-    then the deliveries the moves owe (ended or paused runs with a callback)."""
+    then the deliveries the moves owe (ended or paused runs with a callback).  First
+    the runs of other nodes found dead by their lock (takeover), reported as such."""
+    _take_over(p)
     batches = 0
     while True:
         with db.transaction(p.conn):
@@ -216,6 +222,30 @@ def _reconcile_journal(p: _Pass) -> None:
         if batches % CHECKPOINT_EVERY_BATCHES == 0:
             _checkpoint(p.conn)  # keeps the WAL bounded; no lock held here
     p.report.counts["deliveries_sent"] += dispatch.send_deliveries(p.settings, p.conn)
+
+
+_CLASSES = ("requeued", "paused", "interrupted", "cancelled")  # runs classified
+
+
+def _take_over(p: _Pass) -> None:
+    """Step 3, first: every other node whose lock is free (dead) and which still owns
+    runs: its runs of the generation read, or earlier, are classified at once by the same
+    guarded moves (ledger.recovery.dead_nodes says why).  Survivors racing for one dead
+    node classify each run once: a later guard finds the owner already cleared."""
+    for node, generation in recovery.dead_nodes(p.conn, node_id=p.settings.node_id).items():
+        before = sum(p.report.counts[k] for k in _CLASSES)
+        while True:
+            with db.transaction(p.conn):
+                batch = recovery.orphaned_of(p.conn, node_id=node, generation=generation,
+                                             limit=CLASSIFY_BATCH)
+                _classify_batch(p, batch)
+            if len(batch) < CLASSIFY_BATCH:
+                break
+        if taken := sum(p.report.counts[k] for k in _CLASSES) - before:
+            p.report.counts["taken_over"] += taken
+            p.report.taken_over[node] = generation
+            log.warning("node %s (generation %d) is gone (its node lock is free): %d of its "
+                        "runs classified", node, generation, taken)
 
 
 def _classify_batch(p: _Pass, batch: list[dict[str, Any]]) -> None:

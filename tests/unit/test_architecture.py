@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "ticks": {"errors"},  # a schedule's tick arithmetic (croniter), for tasks
     "webhooks": {"errors", "netguard"},
     "client": {"errors"},
-    "ledger": {"errors", "filemodes", "jsondepth"},
+    "ledger": {"errors", "filemodes", "jsondepth", "nodelock"},  # SQLite's node lock
     "rabbitmq": set(),  # Dramatiq's RabbitMQ broker with run priority, for dispatch
     "dispatch": {"config", "errors", "ledger", "queues", "rabbitmq"},
     "web": FOUNDATIONS | {"ledger", "dispatch"},

@@ -1,0 +1,208 @@
+"""Nodes on a PostgreSQL ledger, with real processes (docs/operations.md, "Node lock and
+generations"): `runstile worker` holds the node's advisory lock for life, a second live
+node of the same name is refused, a SIGKILLed node's lock is free again at once, and the
+scheduled recovery of the survivors takes over a dead node's runs long before their
+leases lapse, each run classified once.  Runs travel on Redis (a database of this
+module's own, flushed by each test) so that no embedded broker is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from runstile.ledger import admission, migrations
+from runstile.ledger.keys import Principal
+from tests import postgres
+from tests.conftest import ROOT, Ledger, Workers, broker_available, child_pids, wait_until
+
+#: Redis database of these tests alone (flushed at each start).
+REDIS_DB = 11
+PASSWORD = "s3cret-of-the-ledger"  # trust auth ignores it; it must show nowhere
+LEASE_S, INTERVAL_S = 30.0, 1.0
+
+
+@pytest.fixture
+def pg(tmp_path):
+    broker_available("redis")
+    import redis
+    redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB).flushdb()
+    with postgres.fresh_database(required=True) as url:
+        parts = urlsplit(url)
+        url = urlunsplit(parts._replace(netloc=f"{parts.username}:{PASSWORD}@"
+                                               f"{parts.hostname}:{parts.port}"))
+        migrations.migrate(url)
+        yield Ledger(tmp_path / "data", url=url)
+    redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB).flushdb()
+
+
+def env_of(ledger: Ledger, node_id: str) -> dict:
+    return {"RUNSTILE_DATABASE_URL": ledger.url, "RUNSTILE_NODE_ID": node_id,
+            "RUNSTILE_BROKER_URL": f"redis://127.0.0.1:6379/{REDIS_DB}",
+            "RUNSTILE_TASKS": "tests.workers.exec_tasks", "RUNSTILE_LEASE_S": str(LEASE_S),
+            "RUNSTILE_HEARTBEAT_S": "1", "RUNSTILE_RECOVERY_INTERVAL_S": str(INTERVAL_S)}
+
+
+def node(ledger: Ledger, tmp_path: Path, node_id: str, threads: int = 4) -> Workers:
+    """A `runstile worker` of its own data directory, on the shared PostgreSQL ledger."""
+    return Workers(tmp_path / f"dir-{node_id}", env_of(ledger, node_id), workers=1,
+                   threads=threads).start()
+
+
+def generation(ledger: Ledger, node_id: str) -> int:
+    return ledger.query("SELECT generation FROM nodes WHERE id = ?", (node_id,))[0][0]
+
+
+def admit(ledger: Ledger, key, task: str, log: Path) -> str:
+    conn = ledger.connect()
+    try:
+        request = admission.AdmissionRequest(
+            principal=Principal(key.profile, key.key_id, key.role), key=None,
+            key_is_derived=False, run_id=None, task=task,
+            input_json=json.dumps({"log": str(log), "ticks": 4000}), session_key=None,
+            trigger_id=None, metadata_json=None, callback_url=None, fingerprint="f" * 64,
+            fingerprint_version=1)
+        return admission.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
+    finally:
+        conn.close()
+
+
+def argv_of_tree(pid: int) -> list[str]:
+    """What `ps` shows of the process and its children (their /proc/<pid>/cmdline)."""
+    shown = []
+    for p in [pid, *child_pids(pid)]:
+        try:
+            shown.append(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except FileNotFoundError:
+            pass
+    return shown
+
+
+def test_a_second_worker_of_the_same_node_id_is_refused_and_another_id_starts(pg, tmp_path):
+    first = node(pg, tmp_path, "n1", threads=1)
+    second = subprocess.run(
+        [sys.executable, "-m", "runstile", "worker", "--data-dir", str(tmp_path / "other")],
+        env={**os.environ, **env_of(pg, "n1")}, capture_output=True, text=True, timeout=60,
+        cwd=ROOT)
+    assert second.returncode == 1, second.stderr
+    [line] = second.stderr.strip().splitlines()
+    assert line.startswith("error: node 'n1' is already running on postgresql://")
+    assert f"pid {first.proc.pid}" in line and PASSWORD not in line
+    other = node(pg, tmp_path, "n2", threads=1)
+    assert first.proc.poll() is None and other.proc.poll() is None
+    assert (generation(pg, "n1"), generation(pg, "n2")) == (1, 1)
+    shown = argv_of_tree(first.proc.pid)
+    assert any("worker-process" in argv for argv in shown), shown
+    assert not any("postgresql" in argv or PASSWORD in argv for argv in shown), shown
+    assert PASSWORD not in first.log()
+
+
+def test_the_lock_of_a_sigkilled_node_is_free_at_once_and_its_next_boot_is_one_more(
+        pg, tmp_path):
+    first = node(pg, tmp_path, "n1", threads=1)
+    assert generation(pg, "n1") == 1
+    session = f"runstile node n1 pid {first.proc.pid}"
+    first.kill(signal.SIGKILL)
+    # The server ends the dead process's session (and so frees its lock) as soon as it
+    # reads the closed connection: a moment, not a timeout.
+    wait_until(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE "
+                                    "application_name = ?", (session,)), 5, 0.01,
+               "the server to end the killed node's session")
+    again = node(pg, tmp_path, "n1", threads=1)
+    assert generation(pg, "n1") == 2
+    assert again.proc.poll() is None
+
+
+def test_survivors_take_over_a_sigkilled_nodes_runs_before_their_leases_lapse(pg, tmp_path):
+    log, key = tmp_path / "executions.log", pg.key()
+    tasks = {"t.hold": 2, "t.hold_pause": 1, "t.hold_resume": 1}
+    runs = {admit(pg, key, task, log): task for task, n in tasks.items() for _ in range(n)}
+    a = node(pg, tmp_path, "node-a")  # its boot publishes the runs; its 4 threads hold them
+    wait_until(lambda: pg.query("SELECT COUNT(*) FROM runs WHERE status = 'running' AND "
+                                "owner_node = 'node-a'")[0][0] == len(runs), 30, 0.1,
+               "node-a to hold every run")
+    survivors = [node(pg, tmp_path, "node-b"), node(pg, tmp_path, "node-c")]
+    time.sleep(2 * INTERVAL_S)  # their passes see node-a alive: nothing to take
+    assert pg.query("SELECT COUNT(*) FROM runs WHERE owner_node = 'node-a'")[0][0] == len(runs)
+    killed_at = time.monotonic()
+    a.kill(signal.SIGKILL)  # the whole process group: supervisor and worker
+    wait_until(lambda: not pg.query("SELECT 1 FROM runs WHERE owner_node = 'node-a'"),
+               LEASE_S + INTERVAL_S, 0.1, "the survivors to take over node-a's runs")
+    taken_s = time.monotonic() - killed_at
+    print(f"node-a's runs taken over {taken_s:.2f}s after its SIGKILL")
+    assert taken_s < LEASE_S / 2, f"{taken_s:.1f}s: that was the leases lapsing, not takeover"
+    by_task = {}
+    for rid, task in runs.items():
+        [(status, reason)] = pg.query("SELECT status, recovery_reason FROM runs WHERE id = ?",
+                                      (rid,))
+        moves = [t for (t,) in pg.query(
+            "SELECT type FROM events WHERE run_id = ? AND type IN ('run.interrupted', "
+            "'run.paused', 'run.requeued') ORDER BY seq", (rid,))]
+        assert len(moves) == 1, (rid, moves)  # classified once, by one survivor
+        by_task.setdefault(task, set()).add((moves[0], reason))
+    assert by_task == {"t.hold": {("run.interrupted", "owner_lost")},
+                       "t.hold_pause": {("run.paused", "owner_lost")},
+                       "t.hold_resume": {("run.requeued", "owner_lost")}}
+    reports = pg.query("SELECT node_id, counts, taken_over FROM recovery_reports WHERE "
+                       "taken_over IS NOT NULL")
+    assert {r[0] for r in reports} <= {"node-b", "node-c"}
+    assert all(json.loads(r[2]) == {"node-a": 1} for r in reports)
+    assert sum(json.loads(r[1])["taken_over"] for r in reports) == len(runs)
+    assert all(survivor.proc.poll() is None for survivor in survivors)
+    assert any("node node-a (generation 1) is gone (its node lock is free)" in survivor.log()
+               for survivor in survivors)
+
+
+def test_a_node_whose_lock_session_ends_kills_its_workers_and_exits_non_zero(pg, tmp_path):
+    """The lock lives in a server session: once that session is gone (here ended by the
+    server, as a cut connection or a restart would), the node is no longer provably
+    alive and another may take over its runs, so it stops executing at once."""
+    n1 = node(pg, tmp_path, "n1", threads=1)
+    workers = child_pids(n1.proc.pid)
+    assert workers
+    [(ended,)] = pg.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                          "application_name = ?", (f"runstile node n1 pid {n1.proc.pid}",))
+    assert ended
+    assert n1.proc.wait(timeout=15) == 1
+    assert "lost the node lock" in n1.log()
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in workers), 10, 0.05,
+               "the node's worker processes to be gone")
+    assert node(pg, tmp_path, "n1", threads=1).proc.poll() is None  # the name is free
+    assert generation(pg, "n1") == 2
+
+
+def test_runstile_recover_on_postgresql_takes_over_a_dead_nodes_runs_and_says_so(
+        pg, tmp_path):
+    log, key = tmp_path / "executions.log", pg.key()
+    runs = [admit(pg, key, "t.hold", log) for _ in range(2)]
+    a = node(pg, tmp_path, "node-a", threads=2)
+    wait_until(lambda: pg.query("SELECT COUNT(*) FROM runs WHERE status = 'running'")[0][0]
+               == len(runs), 30, 0.1, "node-a to hold both runs")
+    alive = subprocess.run(
+        [sys.executable, "-m", "runstile", "recover", "--json", "--data-dir",
+         str(tmp_path / "ops")], env={**os.environ, **env_of(pg, "ops")},
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert alive.returncode == 0, alive.stderr
+    assert json.loads(alive.stdout)["taken_over"] == {}
+    a.kill(signal.SIGKILL)
+
+    def recover() -> dict | None:
+        done = subprocess.run(
+            [sys.executable, "-m", "runstile", "recover", "--json", "--data-dir",
+             str(tmp_path / "ops")], env={**os.environ, **env_of(pg, "ops")},
+            capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        return report if report["taken_over"] else None
+
+    report = wait_until(recover, 20, 0.2, "`runstile recover` to find node-a dead")
+    assert report["taken_over"] == {"node-a": 1}
+    assert report["counts"]["taken_over"] == report["counts"]["interrupted"] == len(runs)
+    assert PASSWORD not in json.dumps(report)
