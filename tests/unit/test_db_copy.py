@@ -12,8 +12,16 @@ import pytest
 
 from runstile.cli import main
 from runstile.errors import ConfigError
-from runstile.ledger import admission, broker_queue, db, db_postgresql_copy, execution, keys
-from runstile.ledger import maintenance, migrations
+from runstile.ledger import (
+    admission,
+    broker_queue,
+    db,
+    db_postgresql_copy,
+    execution,
+    keys,
+    maintenance,
+    migrations,
+)
 from runstile.ledger import runs as ledger_runs
 from runstile.ledger.keys import Principal
 from runstile.nodelock import NodeLock
