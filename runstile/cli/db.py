@@ -110,18 +110,22 @@ def db_backup(settings, path, force, as_json):
 @db.command("copy")
 @settings_options
 @runs_on_postgresql
-@click.option("--to", "to", required=True, metavar="URL",
+@click.option("--to", "to", default=None, metavar="URL",
               help="The PostgreSQL database to copy into, postgresql://user:password@host:"
-                   "port/db: empty, or holding only a migrated schema.")
+                   "port/db: empty, or holding only a migrated schema [default: "
+                   "RUNSTILE_DATABASE_URL].")
 @json_option
 def db_copy(settings, to, as_json):
     """Copy the SQLite ledger <data-dir>/ledger.db into an empty PostgreSQL database.
 
     One snapshot of the source, one transaction on the target, every table's rows
     counted on both sides; refused while a node of the data directory runs.  The source
-    is the SQLite file whatever RUNSTILE_DATABASE_URL says (docs/operations.md, "Moving
-    a ledger from SQLite to PostgreSQL")."""
-    url = _copy_target(to)
+    is the SQLite file; RUNSTILE_DATABASE_URL, when set, is the target unless --to names
+    one (docs/operations.md, "Moving a ledger from SQLite to PostgreSQL")."""
+    url = _copy_target(to) if to is not None else settings.database_url
+    if not url:
+        raise click.UsageError("--to URL (or RUNSTILE_DATABASE_URL) names the PostgreSQL "
+                               "database to copy into")
     if not settings.ledger_path.exists():
         _fail(f"no ledger at {settings.ledger_path}", code=2)
     report = _copy(settings, url)

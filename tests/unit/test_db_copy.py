@@ -268,3 +268,14 @@ def test_the_json_report_counts_every_table(filled, pg_url, capsys):
     assert code == 0 and report["ok"] and PASSWORD not in out
     assert report["counts"]["runs"] == {"sqlite": 10, "postgresql": 10}
     assert set(report["counts"]) == set(tables_and_columns(data_dir / "ledger.db"))
+
+
+def test_without_to_the_target_is_runstile_database_url(filled, pg_url, monkeypatch, capsys):
+    data_dir, _ = filled
+    code, _, err = run(["db", "copy", "--data-dir", str(data_dir)], capsys)
+    assert code == 2 and "RUNSTILE_DATABASE_URL" in err
+    monkeypatch.setenv("RUNSTILE_DATABASE_URL", with_password(pg_url))
+    code, out, err = run(["db", "copy", "--data-dir", str(data_dir)], capsys)
+    assert code == 0, err
+    assert PASSWORD not in out + err and "runs" in out
+    assert non_empty_tables(pg_url)["runs"] == 10
