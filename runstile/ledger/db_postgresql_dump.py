@@ -38,7 +38,9 @@ def dump(url: str, target: Path) -> int:
              f"--dbname={conninfo}"], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         password = _password(url)
-        said = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        # pg_dump's stderr on one line (its error, then libpq's detail lines).
+        said = " ".join(line.strip() for line in done.stderr.splitlines() if line.strip())
+        said = said[:1000] or "(nothing on stderr)"
         if password:
             said = said.replace(password, "***")
         raise LedgerUnavailable(f"pg_dump of {redact_url(url)} failed "

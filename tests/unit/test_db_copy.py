@@ -6,8 +6,12 @@ without it."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from urllib.parse import urlsplit, urlunsplit
 
+import psycopg
 import pytest
 
 from runstile.cli import main
@@ -26,7 +30,7 @@ from runstile.ledger import runs as ledger_runs
 from runstile.ledger.keys import Principal
 from runstile.nodelock import NodeLock
 from tests import postgres
-from tests.conftest import free_port
+from tests.conftest import bare_ledger, free_port, wait_until
 from tests.unit import ledger_fill
 from tests.unit.ledger_fill import OWNER
 
@@ -272,6 +276,7 @@ def test_the_json_report_counts_every_table(filled, pg_url, capsys):
 
 def test_without_to_the_target_is_runstile_database_url(filled, pg_url, monkeypatch, capsys):
     data_dir, _ = filled
+    monkeypatch.delenv("RUNSTILE_DATABASE_URL", raising=False)
     code, _, err = run(["db", "copy", "--data-dir", str(data_dir)], capsys)
     assert code == 2 and "RUNSTILE_DATABASE_URL" in err
     monkeypatch.setenv("RUNSTILE_DATABASE_URL", with_password(pg_url))
@@ -279,3 +284,38 @@ def test_without_to_the_target_is_runstile_database_url(filled, pg_url, monkeypa
     assert code == 0, err
     assert PASSWORD not in out + err and "runs" in out
     assert non_empty_tables(pg_url)["runs"] == 10
+
+
+def test_a_copy_killed_midway_leaves_the_target_empty(tmp_path, pg_url):
+    # A real `runstile db copy` process SIGKILLed while its COPY streams rows: the server
+    # rolls its transaction back when the connection drops.
+    data_dir = tmp_path / "data"
+    conn = bare_ledger(data_dir / "ledger.db")
+    with db.transaction(conn):
+        conn.executemany(
+            "INSERT INTO broker_messages (queue_name, message_id, body, state, enqueued_at) "
+            "VALUES ('default', ?, ?, 'ready', 0)",
+            ((f"m{n}", n.to_bytes(4, "big") * 64) for n in range(100_000)))
+    conn.close()
+    proc = subprocess.Popen([sys.executable, "-m", "runstile", "db", "copy", "--data-dir",
+                             str(data_dir), "--to", pg_url], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    watcher = psycopg.connect(pg_url, autocommit=True)
+    try:
+        wait_until(lambda: proc.poll() is not None or watcher.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND "
+            "query LIKE 'COPY%' AND state = 'active'").fetchone(), timeout_s=60,
+            interval_s=0.005, what="the copy's COPY")
+        assert proc.poll() is None, "the copy ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_until(lambda: not watcher.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND "
+            "pid != pg_backend_pid() AND backend_type = 'client backend'").fetchone(),
+            what="the killed copy's session to end")
+    finally:
+        watcher.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert non_empty_tables(pg_url) == {"ledger_meta": 1}
+    assert disabled_triggers(pg_url) == 0

@@ -10,12 +10,14 @@ import os
 import shutil
 import stat
 import subprocess
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
+import psycopg
 import pytest
 
-from runstile.ledger import db_postgresql_copy
+from runstile.ledger import db_postgresql_copy, migrations
 from tests import postgres
+from tests.conftest import free_port
 from tests.unit import ledger_fill
 from tests.unit.test_db_copy import PASSWORD, rows, run, tables_and_columns, with_password
 
@@ -99,3 +101,35 @@ def test_a_failing_pg_dump_says_why_without_the_password_and_keeps_the_old_backu
     assert code == 1 and "pg_dump of" in err and "does not exist" in err
     assert PASSWORD not in err and "***" in err
     assert target.read_bytes() == b"the old backup"
+
+
+#: With every character a .pgpass line or a URL must escape.
+HARD_PASSWORD = "pa:ss\\w@rd/%?#"
+
+
+def test_a_server_that_asks_for_the_password_gets_it_from_the_passfile(tmp_path, capsys):
+    # The shared server trusts everyone; this one of the test's own asks for a password
+    # (scram-sha-256), so the dump works only if the passfile carried it.
+    if not os.path.exists(PG_DUMP):
+        pytest.skip("pg_dump is not installed")
+    server = postgres.OwnServer(free_port()).start()
+    try:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute(f"ALTER ROLE postgres PASSWORD '{HARD_PASSWORD}'")
+            admin.execute("CREATE DATABASE ledger")
+        with open(os.path.join(server.data, "pg_hba.conf"), "w") as hba:
+            hba.write("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
+        server._run("pg_ctl", "-D", server.data, "reload")
+        netloc = f"postgres:{quote(HARD_PASSWORD, safe='')}@127.0.0.1:{server.port}"
+        url = f"postgresql://{netloc}/ledger"
+        wrong = f"postgresql://postgres:no@127.0.0.1:{server.port}/ledger"
+        migrations.migrate(url)
+        target = tmp_path / "ledger.dump"
+        code, out, err = run(["db", "backup", "--database-url", url, str(target)], capsys)
+        assert code == 0, err
+        assert target.read_bytes()[:5] == b"PGDMP" and HARD_PASSWORD not in out + err
+        code, _, err = run(["db", "backup", "--database-url", wrong, str(target), "--force"],
+                           capsys)
+        assert code == 1 and "password authentication failed" in err
+    finally:
+        server.close()
