@@ -319,3 +319,33 @@ def test_a_copy_killed_midway_leaves_the_target_empty(tmp_path, pg_url):
             proc.kill()
     assert non_empty_tables(pg_url) == {"ledger_meta": 1}
     assert disabled_triggers(pg_url) == 0
+
+
+def test_the_tables_owner_copies_without_being_a_superuser_and_another_role_is_refused(
+        filled, capsys):
+    # The triggers are held with ALTER TABLE, which needs the tables' owner: on a server
+    # of the test's own, an ordinary role owning the database copies; a role with every
+    # privilege on the tables but not their ownership is refused, the target left empty.
+    data_dir, _ = filled
+    server = postgres.OwnServer(free_port()).start()
+    try:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute("CREATE ROLE owner LOGIN NOSUPERUSER")
+            admin.execute("CREATE ROLE stranger LOGIN NOSUPERUSER")
+            admin.execute("CREATE DATABASE ledger OWNER owner")
+        owner = f"postgresql://owner@127.0.0.1:{server.port}/ledger"
+        stranger = f"postgresql://stranger@127.0.0.1:{server.port}/ledger"
+        migrations.migrate(owner)
+        with psycopg.connect(owner, autocommit=True) as conn:
+            conn.execute("GRANT ALL ON ALL TABLES IN SCHEMA public TO stranger")
+            conn.execute("GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO stranger")
+        code, out, err = run(["db", "copy", "--data-dir", str(data_dir), "--to", stranger],
+                             capsys)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert "must own the target's tables" in err
+        assert non_empty_tables(owner) == {"ledger_meta": 1}
+        code, out, err = run(["db", "copy", "--data-dir", str(data_dir), "--to", owner], capsys)
+        assert code == 0, err
+        assert non_empty_tables(owner)["runs"] == 10 and disabled_triggers(owner) == 0
+    finally:
+        server.close()
