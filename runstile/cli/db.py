@@ -177,8 +177,27 @@ def _copy(settings, url: str):
                       "ledger nobody is using", code=2)
         try:
             return copying.copy_ledger(settings.ledger_path, url,
-                                       busy_timeout_ms=settings.busy_timeout_ms)
+                                       busy_timeout_ms=settings.busy_timeout_ms,
+                                       progress=_progress_lines())
         except copying.CountMismatch as exc:
             return exc.report
         except (ConfigError, LedgerUnavailable, LedgerCorrupt) as exc:
             _fail(f"db copy to {redact_url(url)}: {exc.message}", code=2)
+
+
+#: Rows between two progress lines of one table (on stderr, for large ledgers).
+PROGRESS_ROWS = 100_000
+
+
+def _progress_lines():
+    """A progress callback for one copy: a line on stderr each time a table passes
+    another PROGRESS_ROWS rows."""
+    shown: dict[str, int] = {}
+
+    def progress(table: str, done: int) -> None:
+        step = done // PROGRESS_ROWS
+        if step > shown.get(table, 0):
+            shown[table] = step
+            click.echo(f"copying {table}: {step * PROGRESS_ROWS} rows so far", err=True)
+
+    return progress

@@ -286,17 +286,30 @@ def test_without_to_the_target_is_runstile_database_url(filled, pg_url, monkeypa
     assert non_empty_tables(pg_url)["runs"] == 10
 
 
-def test_a_copy_killed_midway_leaves_the_target_empty(tmp_path, pg_url):
-    # A real `runstile db copy` process SIGKILLed while its COPY streams rows: the server
-    # rolls its transaction back when the connection drops.
-    data_dir = tmp_path / "data"
+def many_messages(data_dir, count: int) -> None:
+    """A ledger of ``count`` broker messages (written by hand, for their number)."""
     conn = bare_ledger(data_dir / "ledger.db")
     with db.transaction(conn):
         conn.executemany(
             "INSERT INTO broker_messages (queue_name, message_id, body, state, enqueued_at) "
             "VALUES ('default', ?, ?, 'ready', 0)",
-            ((f"m{n}", n.to_bytes(4, "big") * 64) for n in range(100_000)))
+            ((f"m{n}", n.to_bytes(4, "big") * 64) for n in range(count)))
     conn.close()
+
+
+def test_a_large_table_reports_its_progress_every_100000_rows(tmp_path, pg_url, capsys):
+    many_messages(tmp_path / "data", 100_001)
+    code, out, err = run(["db", "copy", "--data-dir", str(tmp_path / "data"), "--to", pg_url],
+                         capsys)
+    assert code == 0 and "broker_messages       100001      100001" in out
+    assert err.splitlines() == ["copying broker_messages: 100000 rows so far"]
+
+
+def test_a_copy_killed_midway_leaves_the_target_empty(tmp_path, pg_url):
+    # A real `runstile db copy` process SIGKILLed while its COPY streams rows: the server
+    # rolls its transaction back when the connection drops.
+    data_dir = tmp_path / "data"
+    many_messages(data_dir, 100_000)
     proc = subprocess.Popen([sys.executable, "-m", "runstile", "db", "copy", "--data-dir",
                              str(data_dir), "--to", pg_url], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
