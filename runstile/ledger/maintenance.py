@@ -83,6 +83,33 @@ def fold_wal(path: Path | str) -> None:
         conn.close()
 
 
+def backup_ledger(target: Path | str, path: Path, *,
+                  busy_timeout_ms: int = 5000) -> tuple[dict[str, Any], str]:
+    """`runstile db backup`: a consistent copy of the ledger at ``target`` written to
+    ``path``, through a ``.partial`` file beside it renamed at the end, so an old backup
+    survives a failed new one.  An SQLite file through SQLite's backup API; a PostgreSQL
+    ledger through pg_dump (ledger/db_postgresql_dump.py).  Returns what was written, as
+    `--json` says it and as a few words for a person."""
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    try:
+        if db.is_database_url(target):
+            from . import db_postgresql_dump  # psycopg and pg_dump only for PostgreSQL
+            size = db_postgresql_dump.dump(str(target), partial)
+            partial.replace(path)
+            return ({"path": str(path), "bytes": size, "format": "pg_dump-custom"},
+                    f"{size} bytes, pg_dump custom format: restore with pg_restore")
+        conn = db.connect(target, busy_timeout_ms=busy_timeout_ms)
+        try:
+            pages = backup(conn, partial)
+        finally:
+            conn.close()
+        partial.replace(path)
+        return {"path": str(path), "pages": pages}, f"{pages} pages"
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def backup(conn: sqlite3.Connection, target: Path) -> int:
     """Online, consistent copy through SQLite's backup API; returns the page count."""
     private_dir(target.parent)
