@@ -13,7 +13,6 @@ IMMEDIATE takes the write lock up front, waiting through ``busy_timeout``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import sqlite3
 import threading
@@ -23,8 +22,9 @@ from pathlib import Path
 from typing import cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
-from ..filemodes import open_lock, private_file
+from ..filemodes import private_file
 from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, is_database_url
+from .db_gate import writer_gate
 from .owed import Owed
 
 __all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "dialect", "is_database_url"]
@@ -157,83 +157,6 @@ def check_usable(target: Path | str, *, busy_timeout_ms: int = 5000, write: bool
                                           write=write)
 
 
-class WriterGate:
-    """Hands the ledger's write lock from writer to writer without SQLite's backoff naps.
-
-    SQLite admits one writer at a time, and its busy handler waits by sleeping with
-    backoff (up to 100 ms a nap): sixteen threads polling for a lock held ~1 ms each
-    leave it idle most of the time (measured: 78% of a web worker's thread time asleep
-    in BEGIN IMMEDIATE, admission p99 over 1 s).  So writers queue here first: threads
-    of one process on a Python lock (handed over at once), processes on an flock of
-    ``<ledger>-writer.lock`` polled at sub-millisecond intervals by at most one thread
-    per process.  BEGIN IMMEDIATE then rarely waits; when something outside runstile
-    writes (the sqlite3 shell), SQLite's own busy handler still covers it.
-    """
-
-    #: Seconds between two flock attempts; short, because the lock is held ~1 ms.
-    POLL_S = (0.0002, 0.0005, 0.001, 0.002)
-
-    def __init__(self, ledger_path: str) -> None:
-        self.lock_path = ledger_path + "-writer.lock"
-        self.thread_lock = threading.Lock()
-        self._fd: int | None = None
-
-    def _fd_for_process(self) -> int:
-        if self._fd is None:
-            # 0600: a user who could open it (read-only is enough) could flock it and
-            # hold every writer of the ledger out.
-            self._fd = open_lock(self.lock_path)
-        return self._fd
-
-    @contextlib.contextmanager
-    def held(self, timeout_s: float) -> Iterator[None]:
-        deadline = time.monotonic() + timeout_s
-        if not self.thread_lock.acquire(timeout=timeout_s):
-            raise LedgerUnavailable(f"the ledger stayed busy for more than {timeout_s:g}s")
-        try:
-            fd = self._fd_for_process()
-            naps = 0
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise LedgerUnavailable(
-                            f"the ledger stayed busy for more than {timeout_s:g}s") from None
-                    time.sleep(self.POLL_S[min(naps, len(self.POLL_S) - 1)])
-                    naps += 1
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            self.thread_lock.release()
-
-
-_gates: dict[str, WriterGate] = {}
-_gates_guard = threading.Lock()
-
-
-def _forget_gates() -> None:
-    # A gate copied into a forked child may be held by a thread that does not exist
-    # there, and its flock descriptor is shared with the parent: start afresh.
-    global _gates_guard
-    _gates.clear()
-    _gates_guard = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_gates)
-
-
-def writer_gate(ledger_path: str) -> WriterGate:
-    with _gates_guard:
-        gate = _gates.get(ledger_path)
-        if gate is None:
-            gate = _gates[ledger_path] = WriterGate(ledger_path)
-        return gate
-
-
 #: What a connection's owner does with what its commits owe (``dispatch.Dispatcher``).
 AfterCommit = Callable[[sqlite3.Connection, Owed], None]
 
@@ -299,7 +222,7 @@ def transaction(conn: sqlite3.Connection, *,
     Rolls back on BaseException too: an asynchronous exception (a time limit, SIGTERM
     turned into SystemExit) can land between BEGIN and COMMIT.
 
-    Writers pass the WriterGate before BEGIN IMMEDIATE (see there for why).  After the
+    Writers pass the WriterGate (ledger/db_gate.py) before BEGIN IMMEDIATE.  After the
     COMMIT, and outside the writer gate, what the transaction owes goes to the
     connection's ``after_commit`` (ledger/owed.py).
     """
