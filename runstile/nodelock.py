@@ -16,6 +16,9 @@ from .filemodes import open_lock, private_dir
 
 
 class NodeLock:
+    #: The kernel keeps an flock for as long as this process lives.
+    can_be_lost = False
+
     def __init__(self, data_dir: Path, node_id: str) -> None:
         self.path = data_dir / f"node-{node_id}.lock"
         self.node_id = node_id

@@ -208,8 +208,9 @@ class Supervisor:
                 check_port_free(self.settings.host, self.settings.port)
             metrics_dir = share_metrics(self.settings)
             pass_ledger_to_children(self.settings)
-            threading.Thread(target=self._confirm_lock, name="runstile-node-lock",
-                             daemon=True).start()
+            if lock.can_be_lost:  # an flock cannot be: only this process's death ends it
+                threading.Thread(target=self._confirm_lock, name="runstile-node-lock",
+                                 daemon=True).start()
             return self._run_locked()
         finally:
             self.stopping = True  # ends _confirm_lock
@@ -231,12 +232,13 @@ class Supervisor:
             time.sleep(min(LOCK_CHECK_S, self.settings.heartbeat_s))
 
     def _lock_lost(self) -> bool:
-        """True once the lock is gone, or has not been confirmed for a heartbeat and a
-        check (a server that stopped answering): the node
-        is then no longer provably alive, and another node may take over its runs
-        (docs/operations.md, "Node lock and generations")."""
-        silence = time.monotonic() - self.lock_confirmed
-        return silence > min(LOCK_CHECK_S, self.settings.heartbeat_s) + self.settings.heartbeat_s
+        """True once the lock is gone, or has not been confirmed for RUNSTILE_LEASE_S (a
+        server that stopped answering: by then this node's leases are lapsing anyway): the
+        node is no longer provably alive, and another node may take over its runs
+        (docs/operations.md, "Node lock and generations").  Never for an flock."""
+        if self.lock is None or not self.lock.can_be_lost:
+            return False
+        return time.monotonic() - self.lock_confirmed > self.settings.lease_s
 
     def _boot_generation(self) -> int:
         migrations.migrate(self.settings.ledger_target, synchronous=self.settings.synchronous,

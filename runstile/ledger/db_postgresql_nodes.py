@@ -32,6 +32,9 @@ _HOLDER = ("SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON
 
 
 class AdvisoryNodeLock:
+    #: A server session can end under a live holder (connection cut, server restart).
+    can_be_lost = True
+
     def __init__(self, url: str, node_id: str, *, busy_timeout_ms: int) -> None:
         self.url = url
         self.node_id = node_id

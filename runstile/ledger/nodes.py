@@ -27,6 +27,10 @@ class HeldLock(Protocol):
     """What the supervisor holds for its whole life (nodelock.NodeLock or
     db_postgresql_nodes.AdvisoryNodeLock)."""
 
+    #: Whether the lock can end while its holder lives (a server session can; an flock
+    #: cannot), so that the holder must keep asking :meth:`held`.
+    can_be_lost: bool
+
     def acquire(self) -> HeldLock: ...
 
     def held(self) -> bool: ...

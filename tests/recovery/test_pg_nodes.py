@@ -21,7 +21,16 @@ import pytest
 from runstile.ledger import admission, migrations
 from runstile.ledger.keys import Principal
 from tests import postgres
-from tests.conftest import ROOT, Ledger, Workers, broker_available, child_pids, wait_until
+from tests.conftest import (
+    ROOT,
+    STARTED,
+    Ledger,
+    Workers,
+    broker_available,
+    child_pids,
+    kill_group,
+    wait_until,
+)
 
 #: Redis database of these tests alone (flushed at each start).
 REDIS_DB = 11
@@ -60,13 +69,13 @@ def generation(ledger: Ledger, node_id: str) -> int:
     return ledger.query("SELECT generation FROM nodes WHERE id = ?", (node_id,))[0][0]
 
 
-def admit(ledger: Ledger, key, task: str, log: Path) -> str:
+def admit(ledger: Ledger, key, task: str, log: Path, ticks: int = 4000) -> str:
     conn = ledger.connect()
     try:
         request = admission.AdmissionRequest(
             principal=Principal(key.profile, key.key_id, key.role), key=None,
             key_is_derived=False, run_id=None, task=task,
-            input_json=json.dumps({"log": str(log), "ticks": 4000}), session_key=None,
+            input_json=json.dumps({"log": str(log), "ticks": ticks}), session_key=None,
             trigger_id=None, metadata_json=None, callback_url=None, fingerprint="f" * 64,
             fingerprint_version=1)
         return admission.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
@@ -206,3 +215,29 @@ def test_runstile_recover_on_postgresql_takes_over_a_dead_nodes_runs_and_says_so
     assert report["taken_over"] == {"node-a": 1}
     assert report["counts"]["taken_over"] == report["counts"]["interrupted"] == len(runs)
     assert PASSWORD not in json.dumps(report)
+
+
+def test_a_url_given_by_flag_reaches_the_workers_through_the_environment_not_argv(
+        pg, tmp_path):
+    env = {k: v for k, v in {**os.environ, **env_of(pg, "n1")}.items()
+           if k != "RUNSTILE_DATABASE_URL"}
+    log_path = tmp_path / "flag.log"
+    rid = admit(pg, pg.key(), "t.hold", tmp_path / "executions.log", ticks=1)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runstile", "worker", "--data-dir", str(tmp_path / "d"),
+             "--workers", "1", "--threads", "1", "--database-url", pg.url], env=env,
+            stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+    STARTED.append(proc)
+    wait_until(lambda: "] worker up: node n1" in log_path.read_text(), 30, 0.05,
+               "the worker process to consume")
+    children = argv_of_tree(proc.pid)[1:]
+    assert children and all("worker-process" in argv for argv in children), children
+    assert not any("postgresql" in argv or PASSWORD in argv for argv in children), children
+    assert generation(pg, "n1") == 1
+    # The run is claimed and finished in the flag's database: a worker process without
+    # the URL would look for it in <data-dir>/ledger.db.
+    wait_until(lambda: pg.query("SELECT status FROM runs WHERE id = ?", (rid,)) ==
+               [("completed",)], 30, 0.1, "the worker to complete the run")
+    kill_group(proc, signal.SIGTERM)
+    assert PASSWORD not in log_path.read_text()
