@@ -238,14 +238,22 @@ def _copy_table(src: sqlite3.Connection, tgt: psycopg.Connection[Any], table: st
     statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
         sql.Identifier(table), sql.SQL(", ").join(sql.Identifier(n) for n, _ in columns))
     done = 0
-    with tgt.cursor().copy(statement) as copy:
-        copy.set_types([pg_type for _, pg_type in columns])
-        while batch := reader.fetchmany(BATCH_ROWS):
-            for row in batch:
-                copy.write_row(row)
-            done += len(batch)
-            if progress is not None:
-                progress(table, done)
+    try:
+        with tgt.cursor().copy(statement) as copy:
+            copy.set_types([pg_type for _, pg_type in columns])
+            while batch := reader.fetchmany(BATCH_ROWS):
+                for row in batch:
+                    copy.write_row(row)
+                done += len(batch)
+                if progress is not None:
+                    progress(table, done)
+    except (psycopg.DataError, psycopg.IntegrityError) as exc:
+        # A value SQLite stores and PostgreSQL does not (a NUL in text, text where a
+        # number belongs, a row naming one that is missing): only a ledger edited by
+        # hand or damaged holds one.
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"table {table}: PostgreSQL refuses a row of the source ({said}); "
+                          "`runstile db check` the SQLite ledger") from None
 
 
 def _count(tgt: psycopg.Connection[Any], table: str) -> int:

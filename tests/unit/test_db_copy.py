@@ -362,3 +362,15 @@ def test_the_tables_owner_copies_without_being_a_superuser_and_another_role_is_r
         assert non_empty_tables(owner)["runs"] == 10 and disabled_triggers(owner) == 0
     finally:
         server.close()
+
+
+def test_a_value_postgresql_cannot_hold_is_refused_naming_its_table(tmp_path, pg_url, capsys):
+    # SQLite keeps a NUL inside text; PostgreSQL's text cannot hold one.
+    conn = bare_ledger(tmp_path / "data" / "ledger.db")
+    conn.execute("INSERT INTO key_tombstones VALUES ('p', 'key_1', 'a' || char(0) || 'b', 0)")
+    conn.close()
+    code, out, err = run(["db", "copy", "--data-dir", str(tmp_path / "data"), "--to", pg_url],
+                         capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "table key_tombstones: PostgreSQL refuses a row" in err
+    assert non_empty_tables(pg_url) == {"ledger_meta": 1}
