@@ -44,7 +44,8 @@ def connect_refusal(url: str, message: str) -> ConfigError:
     fatal = re.search(r"FATAL:\s+(.*)", message, re.DOTALL)
     if fatal is None:
         # No answer from a server at all: refused, timed out, a host that does not resolve.
-        detail = _one_line(message.split("failed:")[-1].strip().splitlines()[0], password)
+        reason = message.split("failed:")[-1].strip().splitlines() or ["no reason given"]
+        detail = _one_line(reason[0], password)
         return _fail(url, f"the server does not answer ({detail})")
     detail = _one_line(fatal.group(1).splitlines()[0], password)
     for pattern, meaning in _REFUSALS:

@@ -2,7 +2,8 @@
 line and exit 2 (docs/operations.md, "A PostgreSQL ledger that cannot be used"); the
 commands that open a ledger (keys, webhooks secret, deliveries, schedules, serve) run on
 one that it can.  Every case against a real server: a port nobody listens on, a role
-that does not exist, roles made here without privileges (dropped afterwards)."""
+that does not exist, a wrong password (on a server of the test's own that asks for one),
+roles made here without privileges (dropped afterwards)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from runstile.cli import main
 from runstile.errors import ConfigError
 from runstile.ledger import db_postgresql_checks, migrations
 from tests import postgres
-from tests.conftest import ROOT, RUNSTILE, free_port
+from tests.conftest import ROOT, RUNSTILE, free_port, wait_until
 
 SECRET = "hunter2-not-a-password"
 
@@ -89,6 +90,39 @@ def test_a_role_that_does_not_exist_is_wrong_credentials(database, tmp_path, cap
     line = refused(["keys", "create", "--profile", "p"], tmp_path, capsys,
                    as_user(database, "no_such_role_" + secrets.token_hex(3), SECRET))
     assert "cannot be used: wrong credentials: role" in line and "does not exist" in line
+
+
+def test_a_wrong_password_is_wrong_credentials(tmp_path, capsys):
+    """On a server of the test's own that asks this role for its password (the shared
+    one trusts loopback)."""
+    server = postgres.OwnServer(free_port())
+    try:
+        server.start()
+        hba = f"{server.data}/pg_hba.conf"
+        with open(hba) as f:
+            rules = f.read()
+        with open(hba, "w") as f:  # the first matching line wins
+            f.write("host all app 127.0.0.1/32 scram-sha-256\n" + rules)
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute("CREATE ROLE app LOGIN PASSWORD 'the-right-one'")
+            conn.execute("SELECT pg_reload_conf()")
+        wrong = as_user(server.url, "app", SECRET)
+        # The postmaster rereads pg_hba.conf on the signal, a moment after the call.
+        wait_until(lambda: _refuses(wrong), 10, 0.05, "the server to ask for passwords")
+        right = as_user(server.url, "app", "the-right-one")
+        db_postgresql_checks.check_usable(right, write=False)  # the password is asked
+        line = refused(["keys", "list"], tmp_path, capsys, wrong)
+    finally:
+        server.close()
+    assert 'wrong credentials: password authentication failed for user "app"' in line
+
+
+def _refuses(url: str) -> bool:
+    try:
+        psycopg.connect(url, connect_timeout=2).close()
+    except psycopg.OperationalError:
+        return True
+    return False
 
 
 def test_a_database_that_does_not_exist_is_named(database, tmp_path, capsys):
