@@ -3,9 +3,10 @@
 
 test_sqlite_broker.py runs the whole broker contract on both engines; here are the
 parts SQLite has no twin of: the NOTIFY trigger (migration 11) and the watcher's LISTEN
-session with its fallback look, claims that skip each other's rows (``FOR UPDATE SKIP
-LOCKED``) and, in two processes, never share one, the claim and ack outside the ledger-wide writer lock, and
-a runstile worker process (workers/process.py) running runs admitted on PostgreSQL.
+session with its fallback look; claims that skip each other's rows (``FOR UPDATE SKIP
+LOCKED``) and, in two processes, never share one; the claim and ack outside the
+ledger-wide writer lock; and a runstile worker process (workers/process.py) running
+runs admitted on PostgreSQL.
 Each test gets a fresh database (tests/postgres.py); without RUNSTILE_TEST_DATABASE_URL
 they skip, and fail under CI.  Nothing is decided by timing: a wait's bound is only how
 long to wait before failing, and which path woke a consumer is read from the watcher's
