@@ -185,9 +185,9 @@ def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
     # consumers never wait on each other and never pick one row twice; a row changed
     # by a commit since the statement began (claimed, reaped, acked) is re-read once
     # its lock is ours and dropped if no longer ready.  (Without the lock the subquery
-    # would hand two claims the same ids, and the UPDATE re-checks only its own WHERE:
-    # hence the outer ``state`` guard too.)  A claim waits on no lock at all, so it can
-    # be in no deadlock.  The other writers of broker_messages need no
+    # can hand two claims the same ids, and after a wait the UPDATE re-checks only its
+    # own WHERE: hence the outer ``state`` guard too.)  A claim waits on no lock at
+    # all, so it can be in no deadlock.  The other writers of broker_messages need no
     # writer lock against it: admission and recovery's re-publish only insert rows
     # (a claim sees them once committed, woken by their NOTIFY); retention's purge only
     # deletes dead rows, which a claim never picks; the reap, a release and a consumer's

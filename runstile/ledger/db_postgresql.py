@@ -11,7 +11,9 @@ Write transactions: ``BEGIN`` then ``pg_advisory_xact_lock(WRITER_LOCK)``, one k
 the whole ledger.  Writers are thus serialized exactly as SQLite's ``BEGIN IMMEDIATE``
 serializes them, and each statement after the lock (READ COMMITTED) sees every
 transaction committed before it: every guarded UPDATE's read-then-write argument made for
-SQLite holds unchanged.  ``lock_timeout`` plays ``busy_timeout``.
+SQLite holds unchanged.  ``lock_timeout`` plays ``busy_timeout``.  The one exception is
+``db.row_transaction`` (the embedded broker's claim, ack and dead letter), which row
+locks alone guard: its argument is at ``broker_queue.claim``.
 """
 
 from __future__ import annotations

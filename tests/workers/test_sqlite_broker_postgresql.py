@@ -3,9 +3,10 @@
 
 test_sqlite_broker.py runs the whole broker contract on both engines; here are the
 parts SQLite has no twin of: the NOTIFY trigger (migration 11) and the watcher's LISTEN
-session with its fallback look, claims that skip each other's rows (``FOR UPDATE SKIP
-LOCKED``) in two processes, the claim and ack outside the ledger-wide writer lock, and
-a runstile worker process (workers/process.py) running runs admitted on PostgreSQL.
+session with its fallback look; claims that skip each other's rows (``FOR UPDATE SKIP
+LOCKED``) and, in two processes, never share one; the claim and ack outside the
+ledger-wide writer lock; and a runstile worker process (workers/process.py) running
+runs admitted on PostgreSQL.
 Each test gets a fresh database (tests/postgres.py); without RUNSTILE_TEST_DATABASE_URL
 they skip, and fail under CI.  Nothing is decided by timing: a wait's bound is only how
 long to wait before failing, and which path woke a consumer is read from the watcher's
@@ -205,6 +206,27 @@ def test_claims_and_acks_go_on_while_another_session_holds_the_writer_lock(pg_le
         conn.close()
     assert [tuple(r) for r in pg_ledger.query(
         "SELECT message_id, state FROM broker_messages")] == [("m1", "dead")]
+
+
+def test_a_claim_takes_the_next_row_instead_of_waiting_for_one_another_session_locked(
+        pg_ledger):
+    conn = db.connect(pg_ledger.url, busy_timeout_ms=300)
+    broker_queue.register_consumer(conn, broker_queue.ConsumerInfo(
+        "c1", "default", os.getpid(), "host", 60.0))
+    with db.transaction(conn):
+        first = broker_queue.insert_message(conn, "default", "first", b"body")
+        broker_queue.insert_message(conn, "default", "second", b"body")
+    holder = psycopg.connect(pg_ledger.url)  # as another claim holds the row it picked
+    try:
+        holder.execute("SELECT id FROM broker_messages WHERE id = %s FOR UPDATE", (first,))
+        # Waiting on the lock would end in LedgerUnavailable after 300 ms.
+        assert [r["message_id"] for r in broker_queue.claim(conn, "default", "c1", 2)] \
+            == ["second"]
+    finally:
+        holder.rollback()
+        holder.close()
+    assert [r["message_id"] for r in broker_queue.claim(conn, "default", "c1", 2)] == ["first"]
+    conn.close()
 
 
 def test_two_consumer_processes_on_one_database_never_both_get_one_message(
