@@ -94,8 +94,11 @@ def test_three_nodes_on_postgresql_with_whole_nodes_killed_lose_and_duplicate_no
         for _ in range(kills):
             time.sleep(rng.uniform(1.0, 3.0))  # load builds up on every node
             name = rng.choice(sorted(nodes))
-            nodes[name].kill()  # the whole process tree, at once
+            # Read just before the kill: the kill waits for the whole tree to be reaped,
+            # and a survivor may well have taken the runs over by then.  A run that
+            # finishes between the read and the kill is simply not held any more.
             held = held_by(ledger, name)
+            nodes[name].kill()  # the whole process tree, at once
             slowest = max(slowest, wait_taken_over(ledger, name, held,
                                                    LEASE_S + INTERVAL_S + PASS_SLACK_S))
             taken_over += len(held)
