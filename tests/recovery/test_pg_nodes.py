@@ -208,6 +208,38 @@ def test_a_node_whose_lock_session_ends_kills_its_workers_and_takes_the_lock_aga
     n1.kill(signal.SIGTERM)
 
 
+def test_a_node_that_finds_its_name_taken_after_losing_its_lock_waits_and_says_so_once(
+        pg, tmp_path):
+    n1 = node(pg, tmp_path, "n1", threads=1)
+    [(ended,)] = pg.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                          "application_name = ?", (f"runstile node n1 pid {n1.proc.pid}",))
+    assert ended
+    # This test takes the name first: n1 needs a moment to see its session gone.
+    lock = wait_until(lambda: _try_lock(pg, tmp_path, "n1"), 5, 0.01, "the lock of n1")
+    try:
+        wait_until(lambda: "waiting for it to stop" in n1.log(), 20, 0.1,
+                   "n1 to say its name is taken")
+        time.sleep(3)  # three more tries of n1's, said once
+        assert n1.log().count("waiting for it to stop") == 1
+        assert n1.proc.poll() is None and generation(pg, "n1") == 1
+        assert PASSWORD not in n1.log()
+    finally:
+        lock.release()
+    wait_until(lambda: generation(pg, "n1") == 2, 20, 0.1, "n1 to take its lock again")
+    wait_until(lambda: "recovered; 1 worker processes up" in n1.log(), 30, 0.1,
+               "n1's new workers")
+
+
+def _try_lock(ledger: Ledger, tmp_path: Path, node_id: str):
+    from runstile.errors import NodeLocked
+    from runstile.ledger import nodes
+    try:
+        return nodes.node_lock(ledger.url, data_dir=tmp_path / "taker", node_id=node_id,
+                               busy_timeout_ms=5000).acquire()
+    except NodeLocked:
+        return None
+
+
 def test_runstile_recover_on_postgresql_takes_over_a_dead_nodes_runs_and_says_so(
         pg, tmp_path):
     log, key = tmp_path / "executions.log", pg.key()
