@@ -2,9 +2,10 @@
 
 The supervisor holds the node lock for its whole life (node_lock_watch.py; taken again
 after a lost ledger session), starts a new node generation, prints the URL (and a
-bootstrap admin key on first start), then runs its children in its own process group and shuts them all down on SIGINT/SIGTERM, however many arrive.
-The signal handlers only record the signal (runstile/signals.py); the main thread sees
-it within 0.1 s in its watch loop and forwards SIGTERM to the children from there.
+bootstrap admin key on first start), then runs its children in its own process group
+and shuts them all down on SIGINT/SIGTERM, however many arrive.  The signal handlers
+only record the signal (runstile/signals.py); the main thread sees it within 0.1 s in
+its watch loop and forwards SIGTERM to the children from there.
 """
 
 from __future__ import annotations
