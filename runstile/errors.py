@@ -282,7 +282,8 @@ class CapacityExceeded(RunstileError):
 
 
 class NodeLocked(RunstileError):
-    """Raised when another live process already holds this node's lock on the data directory."""
+    """Raised when another live process already holds this node's lock (an operator's
+    mistake: the CLI exits 2)."""
 
     code = "node_locked"
     status = 500

@@ -1,14 +1,16 @@
 """``runstile up``: the whole system as one supervised process tree (docs/operations.md).
 
-The supervisor holds the node lock for its whole life, starts a new node generation,
-prints the URL (and a bootstrap admin key on first start), then runs its children in
-its own process group and shuts them all down on SIGINT/SIGTERM, however many arrive.
-The signal handlers only record the signal (runstile/signals.py); the main thread sees
-it within 0.1 s in its watch loop and forwards SIGTERM to the children from there.
+The supervisor holds the node lock for its whole life (node_lock_watch.py; taken again
+after a lost ledger session), starts a new node generation, prints the URL (and a
+bootstrap admin key on first start), then runs its children in its own process group
+and shuts them all down on SIGINT/SIGTERM, however many arrive.  The signal handlers
+only record the signal (runstile/signals.py); the main thread sees it within 0.1 s in
+its watch loop and forwards SIGTERM to the children from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
@@ -31,6 +33,7 @@ from .config import (
 )
 from .errors import ConfigError
 from .ledger import db, keys, maintenance, migrations, nodes
+from .node_lock_watch import LockWatch
 from .recovery import reconcile
 from .signals import StopSignals
 from .workers.scheduler import Scheduler
@@ -40,8 +43,6 @@ from .workers.scheduler import Scheduler
 KILL_GRACE_S = 5.0
 #: Seconds between two looks at the children and the signal pipe.
 WATCH_S = 0.1
-#: Most seconds between two confirmations that the node lock is still held.
-LOCK_CHECK_S = 1.0
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -60,11 +61,6 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError(
                 f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process "
                 f"holds the port? choose another with --port or RUNSTILE_PORT)") from None
-
-
-def _connect_host(host: str) -> str:
-    """Where to reach a server listening on ``host`` (a wildcard means every address)."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
 def share_metrics(settings: Settings) -> str | None:
@@ -104,9 +100,10 @@ class Supervisor:
     #: Set by the main thread alone, once it has forwarded SIGTERM to the children.
     stopping: bool = False
     signals: StopSignals | None = None
-    lock: nodes.HeldLock | None = None
-    #: time.monotonic() of the latest confirmation that the node lock is held.
-    lock_confirmed: float = 0.0
+    watch: LockWatch | None = None
+    #: The node's generation, once booted; moved only by the main thread, after the
+    #: workers of the one before are dead (see :meth:`_rejoin`).
+    generation: int = 0
 
     def say(self, message: str, *, err: bool = False, level: str = "INFO") -> None:
         """A line the supervisor prints itself: as it is, or (RUNSTILE_LOG_FORMAT=json)
@@ -196,11 +193,7 @@ class Supervisor:
     def run(self) -> int:
         logs.configure(self.settings.log_format, node=self.settings.node_id,
                        text_format="%(asctime)s %(levelname)s [supervisor] %(message)s")
-        s = self.settings
-        lock = self.lock = nodes.node_lock(s.ledger_target, data_dir=s.data_dir,
-                                           node_id=s.node_id,
-                                           busy_timeout_ms=s.busy_timeout_ms).acquire()
-        self.lock_confirmed = time.monotonic()
+        watch = self.watch = LockWatch(self.settings, self.say).acquire()
         metrics_dir = None
         try:
             if self.web:
@@ -208,37 +201,12 @@ class Supervisor:
                 check_port_free(self.settings.host, self.settings.port)
             metrics_dir = share_metrics(self.settings)
             pass_ledger_to_children(self.settings)
-            if lock.can_be_lost:  # an flock cannot be: only this process's death ends it
-                threading.Thread(target=self._confirm_lock, name="runstile-node-lock",
-                                 daemon=True).start()
             return self._run_locked()
         finally:
-            self.stopping = True  # ends _confirm_lock
-            lock.release()
+            self.stopping = True
+            watch.close()
             if metrics_dir is not None:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
-
-    def _confirm_lock(self) -> None:
-        """Ask the node lock every LOCK_CHECK_S (or heartbeat) whether it is still held:
-        on PostgreSQL it lives in a server session, which a cut connection or a server
-        restart ends.  In a thread of its own, so a server that stops answering never
-        stalls the watch loop; :meth:`_lock_lost` judges by the time of the last yes."""
-        assert self.lock is not None
-        while not self.stopping:
-            if not self.lock.held():
-                self.lock_confirmed = float("-inf")  # a definite no: lost now
-                return
-            self.lock_confirmed = time.monotonic()
-            time.sleep(min(LOCK_CHECK_S, self.settings.heartbeat_s))
-
-    def _lock_lost(self) -> bool:
-        """True once the lock is gone, or has not been confirmed for RUNSTILE_LEASE_S (a
-        server that stopped answering: by then this node's leases are lapsing anyway): the
-        node is no longer provably alive, and another node may take over its runs
-        (docs/operations.md, "Node lock and generations").  Never for an flock."""
-        if self.lock is None or not self.lock.can_be_lost:
-            return False
-        return time.monotonic() - self.lock_confirmed > self.settings.lease_s
 
     def _boot_generation(self) -> int:
         migrations.migrate(self.settings.ledger_target, synchronous=self.settings.synchronous,
@@ -251,7 +219,7 @@ class Supervisor:
             conn.close()
 
     def _run_locked(self) -> int:
-        generation = self._boot_generation()
+        generation = self.generation = self._boot_generation()
         self.signals = StopSignals()
         filemodes.warn_loose(self.settings.data_dir)
         registry.load(self.settings.tasks)  # recovery needs each task's on_crash
@@ -276,7 +244,9 @@ class Supervisor:
         """Wait until the web child accepts connections on its port (True), or exits
         (False)."""
         web = self.children[0].started()
-        host = _connect_host(self.settings.host)
+        # Where to reach a server listening on the host (a wildcard: every address).
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(
+            self.settings.host, self.settings.host)
         while web.poll() is None:
             try:
                 socket.create_connection((host, self.settings.port), timeout=1).close()
@@ -291,8 +261,8 @@ class Supervisor:
         """After the boot's recovery: the workers, scheduled recovery and the scheduler,
         watched until the node stops."""
         self._start(self.plan_workers(generation))
-        threading.Thread(target=self._scheduled_recovery, args=(generation,),
-                         name="runstile-recovery", daemon=True).start()
+        threading.Thread(target=self._scheduled_recovery, name="runstile-recovery",
+                         daemon=True).start()
         # After the barrier, like every consumer (docs/architecture.md, "The scheduler").
         scheduler.start()
         try:
@@ -313,35 +283,33 @@ class Supervisor:
         finally:
             scheduler.stop()
 
-    def _scheduled_recovery(self, generation: int) -> None:
-        """A recovery pass every RUNSTILE_RECOVERY_INTERVAL_S while up."""
+    def _scheduled_recovery(self) -> None:
+        """A recovery pass every RUNSTILE_RECOVERY_INTERVAL_S while up, of the node's
+        current generation, and none while the node lock is not held (the pass would
+        speak for a generation that may already be over)."""
         while not self.stopping:
             time.sleep(self.settings.recovery_interval_s)
             if self.stopping:
                 return
+            if self.watch is None or not self.watch.holding():
+                continue
             try:
-                reconcile.run_pass(self.settings, generation=generation, trigger="scheduled")
+                reconcile.run_pass(self.settings, generation=self.generation,
+                                   trigger="scheduled")
             except Exception as exc:  # noqa: BLE001 - reported; the next pass tries again
                 # A failed pass must never take the node down.
                 self.say(f"runstile: scheduled recovery failed: {exc}", err=True, level="ERROR")
 
     def _watch(self) -> int:
-        signals = self.signals
-        assert signals is not None  # run() sets it before it starts any child
+        signals, watch = self.signals, self.watch
+        assert signals is not None and watch is not None  # run() sets both first
         failed = False
         while not self.stopping:
             if signals.wait(WATCH_S):
                 self._stop()
                 break
-            if self._lock_lost():
-                # Not a drain: the runs may be another node's already, and every moment a
-                # body runs on is a moment two executions may overlap.
-                self.say("runstile: lost the node lock (its ledger session ended); another "
-                         "node may take over this node's runs: killing the workers", err=True,
-                         level="ERROR")
-                self.stopping = failed = True
-                self._signal_children(signal.SIGKILL)
-                break
+            if watch.lost() and not self._rejoin():
+                break  # stopped (or the web tier gone) while waiting for the lock
             for child in self.children:
                 code = child.started().poll()
                 if code is not None:
@@ -350,6 +318,68 @@ class Supervisor:
                     failed = True
                     self._stop()
                     break
+        failed = self._reap() or failed
+        self._fold_wal()
+        return 1 if failed else 0
+
+    def _rejoin(self) -> bool:
+        """After the node lock is lost: kill the workers, keep the web tier (it answers
+        503 while the server is down), take the lock again and boot a new generation.
+        False when a stop signal (or the web tier's exit) came first.
+
+        At most once holds across the gap: the old generation's workers are SIGKILLed and
+        reaped *before* the lock is taken again, so when :func:`nodes.boot` moves the
+        generation none of them runs a body; their runs are then a dead generation's, for
+        this boot's recovery pass (or a survivor's takeover, which may come first: the
+        heartbeat's fencing covers the moment between the lost session and the kill).
+        No new worker starts before that pass has run and opened the barrier."""
+        assert self.watch is not None
+        # Not a drain: the runs may be another node's already, and every moment a body
+        # runs on is a moment two executions may overlap.
+        self.say("runstile: lost the node lock (its ledger session ended); another node "
+                 "may take over this node's runs: killing the workers", err=True,
+                 level="ERROR")
+        self._kill_workers()
+        self.watch.drop()
+        while self.watch.retake(self._pause):
+            try:
+                self.generation = self._boot_generation()
+                self.say(f"runstile: took the node lock again: generation {self.generation}; "
+                         "recovering")
+                reconcile.boot(self.settings, self.generation)
+            except Exception as exc:  # noqa: BLE001 - the server went again: wait again
+                self.say(f"runstile: boot after taking the node lock again failed: {exc}",
+                         err=True, level="ERROR")
+                self.watch.drop()
+                continue
+            self._start(self.plan_workers(self.generation))
+            self.say(f"runstile: recovered; {self.settings.workers} worker processes up "
+                     f"(node {self.settings.node_id}, generation {self.generation})")
+            return True
+        return False
+
+    def _kill_workers(self) -> None:
+        """SIGKILL every worker process and wait until each is gone; the web stays."""
+        workers = [c for c in self.children if c.name.startswith("worker-")]
+        for child in workers:
+            with contextlib.suppress(ProcessLookupError):
+                child.started().kill()
+        for child in workers:
+            child.started().wait()
+            self.children.remove(child)
+        self.say(f"runstile: {len(workers)} worker processes killed; waiting to take the "
+                 "node lock again", err=True, level="WARNING")
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``; True to stop instead (a stop signal, or the web tier gone)."""
+        assert self.signals is not None
+        return self.signals.wait(seconds) or any(c.started().poll() is not None
+                                                 for c in self.children)
+
+    def _reap(self) -> bool:
+        """SIGTERM (the drain), then SIGKILL what is left; True when the node stopped
+        while not holding its lock (it did not stop well)."""
+        self._stop()
         deadline = time.monotonic() + self.settings.drain_timeout_s + KILL_GRACE_S
         while time.monotonic() < deadline and any(c.started().poll() is None
                                                   for c in self.children):
@@ -357,8 +387,7 @@ class Supervisor:
         self._signal_children(signal.SIGKILL)
         for child in self.children:
             child.started().wait()
-        self._fold_wal()
-        return 1 if failed else 0
+        return self.watch is not None and self.watch.held is None
 
     def _fold_wal(self) -> None:
         """Fold the WAL into ledger.db once every child is gone, so that the main file

@@ -17,7 +17,7 @@ from __future__ import annotations
 import click
 
 from .. import filemodes
-from ..errors import ConfigError, RunstileError
+from ..errors import ConfigError, NodeLocked, RunstileError
 from . import db, deliveries, keys, runs, schedules, serve
 
 
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
-    except ConfigError as exc:
+    except (ConfigError, NodeLocked) as exc:
+        # A second live node of one name is an operator's mistake, as bad input is.
         click.echo(f"error: {exc.message}", err=True)
         return 2
     except RunstileError as exc:

@@ -19,13 +19,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from ..filemodes import private_file
 from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, is_database_url
 from .db_gate import writer_gate
 from .owed import Owed
+
+if TYPE_CHECKING:  # nodes imports this module: the type only, for the checker
+    from .nodes import HeldLock
 
 __all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "dialect", "is_database_url"]
 
@@ -145,6 +148,18 @@ def ledger_exists(target: Path | str) -> bool:
     """Whether there is a ledger to open: an SQLite file that exists; a PostgreSQL
     database always (connecting, and its schema version, tell the rest)."""
     return is_database_url(target) or Path(target).exists()
+
+
+def node_lock(target: Path | str, *, data_dir: Path, node_id: str,
+              busy_timeout_ms: int) -> HeldLock:
+    """The engine's lock of ``node_id`` (not yet taken): an flock in ``data_dir`` for an
+    SQLite file (runstile/nodelock.py), a session advisory lock for a PostgreSQL ledger
+    (ledger/db_postgresql_nodes.py)."""
+    if is_database_url(target):
+        from .db_postgresql_nodes import AdvisoryNodeLock  # psycopg only for PostgreSQL
+        return AdvisoryNodeLock(str(target), node_id, busy_timeout_ms=busy_timeout_ms)
+    from ..nodelock import NodeLock
+    return NodeLock(data_dir, node_id)
 
 
 def check_usable(target: Path | str, *, busy_timeout_ms: int = 5000, write: bool = True) -> None:

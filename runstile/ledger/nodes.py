@@ -14,7 +14,6 @@ import sqlite3
 from pathlib import Path
 from typing import Protocol
 
-from ..nodelock import NodeLock
 from . import db
 from .db import NOW
 
@@ -40,11 +39,10 @@ class HeldLock(Protocol):
 
 def node_lock(target: Path | str, *, data_dir: Path, node_id: str,
               busy_timeout_ms: int) -> HeldLock:
-    """The lock of ``node_id`` for the ledger at ``target`` (not yet taken)."""
-    if db.is_database_url(target):
-        from .db_postgresql_nodes import AdvisoryNodeLock  # psycopg only for PostgreSQL
-        return AdvisoryNodeLock(str(target), node_id, busy_timeout_ms=busy_timeout_ms)
-    return NodeLock(data_dir, node_id)
+    """The lock of ``node_id`` for the ledger at ``target`` (not yet taken): the
+    engine's, chosen by ``db.node_lock``."""
+    return db.node_lock(target, data_dir=data_dir, node_id=node_id,
+                        busy_timeout_ms=busy_timeout_ms)
 
 
 def lock_key(conn: sqlite3.Connection, node_id: str) -> int:

@@ -76,7 +76,8 @@ def recovery_reports() -> Response:
         {"object": "recovery_report", "id": r["id"], "node_id": r["node_id"],
          "generation": r["generation"], "trigger": r["trigger"],
          "started_at": rfc3339(r["started_at"]), "finished_at": rfc3339(r["finished_at"]),
-         "duration_s": r["counts"].pop("duration_s", None), "counts": r["counts"]}
+         "duration_s": r["counts"].pop("duration_s", None), "counts": r["counts"],
+         "taken_over": r["taken_over"]}
         for r in reports]})
 
 

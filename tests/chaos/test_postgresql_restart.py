@@ -77,7 +77,7 @@ def test_postgresql_crashing_and_coming_back_under_load_loses_nothing_acknowledg
                       len(report.lost), len(report.duplicated), len(report.stranded)))
         # The runs answered 503 while the server was down were never acknowledged, and
         # none of them exists.
-        assert not ledger.query("SELECT id FROM idempotency_keys WHERE idempotency_key "
+        assert not ledger.query("SELECT run_id FROM idempotency_keys WHERE idempotency_key "
                                 "LIKE 'down-%'")
     finally:
         system.kill()

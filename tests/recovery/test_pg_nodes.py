@@ -100,7 +100,7 @@ def test_a_second_worker_of_the_same_node_id_is_refused_and_another_id_starts(pg
         [sys.executable, "-m", "runstile", "worker", "--data-dir", str(tmp_path / "other")],
         env={**os.environ, **env_of(pg, "n1")}, capture_output=True, text=True, timeout=60,
         cwd=ROOT)
-    assert second.returncode == 1, second.stderr
+    assert second.returncode == 2, second.stderr
     [line] = second.stderr.strip().splitlines()
     assert line.startswith("error: node 'n1' is already running on postgresql://")
     assert f"pid {first.proc.pid}" in line and PASSWORD not in line
@@ -169,22 +169,75 @@ def test_survivors_take_over_a_sigkilled_nodes_runs_before_their_leases_lapse(pg
                for survivor in survivors)
 
 
-def test_a_node_whose_lock_session_ends_kills_its_workers_and_exits_non_zero(pg, tmp_path):
+def test_a_node_whose_lock_session_ends_kills_its_workers_and_takes_the_lock_again(
+        pg, tmp_path):
     """The lock lives in a server session: once that session is gone (here ended by the
     server, as a cut connection or a restart would), the node is no longer provably
-    alive and another may take over its runs, so it stops executing at once."""
+    alive and another may take over its runs, so it kills its workers at once; then it
+    takes the lock again on a new session, boots generation + 1, recovers and starts new
+    workers, which run what comes next."""
+    log, key = tmp_path / "executions.log", pg.key()
+    held = admit(pg, key, "t.hold", log)
     n1 = node(pg, tmp_path, "n1", threads=1)
+    wait_until(lambda: pg.query("SELECT status FROM runs WHERE id = ?", (held,)) ==
+               [("running",)], 30, 0.1, "the worker to hold the run")
     workers = child_pids(n1.proc.pid)
-    assert workers
+    assert workers and generation(pg, "n1") == 1
     [(ended,)] = pg.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
                           "application_name = ?", (f"runstile node n1 pid {n1.proc.pid}",))
     assert ended
-    assert n1.proc.wait(timeout=15) == 1
-    assert "lost the node lock" in n1.log()
     wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in workers), 10, 0.05,
-               "the node's worker processes to be gone")
-    assert node(pg, tmp_path, "n1", threads=1).proc.poll() is None  # the name is free
-    assert generation(pg, "n1") == 2
+               "the node's old worker processes to be gone")
+    wait_until(lambda: generation(pg, "n1") == 2, 20, 0.1, "the node to boot generation 2")
+    wait_until(lambda: "recovered; 1 worker processes up" in n1.log(), 30, 0.1,
+               "the node's new workers")
+    assert n1.proc.poll() is None
+    text = n1.log()
+    assert "lost the node lock" in text and "took the node lock again: generation 2" in text
+    # The held run was the dead generation's: the boot pass classified it (owner_lost).
+    assert pg.query("SELECT status, recovery_reason FROM runs WHERE id = ?", (held,)) == \
+        [("interrupted", "owner_lost")]
+    # The new workers are of generation 2, and run a run to its end.
+    assert set(child_pids(n1.proc.pid)).isdisjoint(workers)
+    after = admit(pg, key, "t.hold", log, ticks=1)
+    wait_until(lambda: pg.query("SELECT status FROM runs WHERE id = ?", (after,)) ==
+               [("completed",)], 30, 0.1, "the new generation to complete a run")
+    [(started,)] = pg.query("SELECT data FROM events WHERE run_id = ? AND type = "
+                            "'run.started'", (after,))
+    assert json.loads(started)["owner"]["generation"] == 2, started
+    n1.kill(signal.SIGTERM)
+
+
+def test_a_node_that_finds_its_name_taken_after_losing_its_lock_waits_and_says_so_once(
+        pg, tmp_path):
+    n1 = node(pg, tmp_path, "n1", threads=1)
+    [(ended,)] = pg.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                          "application_name = ?", (f"runstile node n1 pid {n1.proc.pid}",))
+    assert ended
+    # This test takes the name first: n1 needs a moment to see its session gone.
+    lock = wait_until(lambda: _try_lock(pg, tmp_path, "n1"), 5, 0.01, "the lock of n1")
+    try:
+        wait_until(lambda: "waiting for it to stop" in n1.log(), 20, 0.1,
+                   "n1 to say its name is taken")
+        time.sleep(3)  # three more tries of n1's, said once
+        assert n1.log().count("waiting for it to stop") == 1
+        assert n1.proc.poll() is None and generation(pg, "n1") == 1
+        assert PASSWORD not in n1.log()
+    finally:
+        lock.release()
+    wait_until(lambda: generation(pg, "n1") == 2, 20, 0.1, "n1 to take its lock again")
+    wait_until(lambda: "recovered; 1 worker processes up" in n1.log(), 30, 0.1,
+               "n1's new workers")
+
+
+def _try_lock(ledger: Ledger, tmp_path: Path, node_id: str):
+    from runstile.errors import NodeLocked
+    from runstile.ledger import nodes
+    try:
+        return nodes.node_lock(ledger.url, data_dir=tmp_path / "taker", node_id=node_id,
+                               busy_timeout_ms=5000).acquire()
+    except NodeLocked:
+        return None
 
 
 def test_runstile_recover_on_postgresql_takes_over_a_dead_nodes_runs_and_says_so(

@@ -349,6 +349,7 @@ def test_recovery_reports_are_for_admin_keys(make_server, ledger):
     client = Api(server, ledger.key(), ledger)
     reports = admin.get("/v1/recovery").json()["data"]
     assert reports[0]["trigger"] == "command" and "counts" in reports[0]
+    assert reports[0]["taken_over"] == {}  # no other node found dead
     assert client.get("/v1/recovery").status_code == 404
 
 

@@ -17,7 +17,7 @@ from runstile.ledger import db, migrations, nodes
 from runstile.ledger import recovery as ledger_recovery
 from runstile.recovery import reconcile
 from tests import postgres
-from tests.conftest import Ledger
+from tests.conftest import Api, Ledger, Server
 from tests.recovery.test_recovery import crashed_run
 
 registry.load(("tests.workers.exec_tasks",))
@@ -151,3 +151,19 @@ def test_on_sqlite_another_nodes_live_runs_wait_for_their_leases(ledger):
     reconcile.run_pass(Settings(data_dir=ledger.data_dir, node_id="node-b"), generation=0,
                        trigger="command")
     assert ledger.query("SELECT status FROM runs WHERE id = ?", (rid,)) == [("running",)]
+
+
+def test_get_v1_recovery_shows_which_dead_nodes_a_pass_took_over(pg_ledger):
+    lock = lock_of(pg_ledger, "node-a").acquire()
+    boot(pg_ledger, "node-a")
+    live_runs_of_node_a(pg_ledger, 2)
+    lock.release()
+    reconcile.run_pass(settings_of(pg_ledger, "node-b"), generation=0, trigger="command")
+    server = Server(pg_ledger.data_dir, {"RUNSTILE_DATABASE_URL": pg_ledger.url}).start()
+    try:
+        [taking, *_] = Api(server, pg_ledger.key(admin=True), pg_ledger).get(
+            "/v1/recovery").json()["data"]
+    finally:
+        server.kill()
+    assert taking["node_id"] == "node-b" and taking["taken_over"] == {"node-a": 1}
+    assert taking["counts"]["taken_over"] == 2

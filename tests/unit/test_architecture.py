@@ -45,7 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     "web": FOUNDATIONS | {"ledger", "dispatch"},
     "workers": FOUNDATIONS | {"ledger", "dispatch"},
     "recovery": FOUNDATIONS | {"ledger", "dispatch"},
-    "up": FOUNDATIONS | {"ledger", "dispatch", "recovery", "workers"},
+    "node_lock_watch": FOUNDATIONS | {"ledger"},  # the supervisor's lock, taken again
+    "up": FOUNDATIONS | {"ledger", "dispatch", "recovery", "workers", "node_lock_watch"},
     "demo": {"tasks", "errors", "__init__"},
     "cli": FOUNDATIONS | {"ledger", "dispatch", "web", "workers", "recovery", "up", "client"},
     "__main__": {"cli"},

@@ -290,7 +290,7 @@ def test_two_nodes_of_the_same_id_on_one_data_dir_refuse(make_system, ledger):
     import sys
     second = subprocess.run([sys.executable, "-m", "runstile", "worker", "--data-dir",
                              str(ledger.data_dir)], capture_output=True, text=True, timeout=60)
-    assert second.returncode == 1
+    assert second.returncode == 2, second.stderr
     assert "already running" in second.stderr
     assert system.proc.poll() is None
 
