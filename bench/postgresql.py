@@ -174,8 +174,8 @@ def _cli(args: list[str], env: dict[str, str], console_script: bool = False) -> 
                           timeout=120)
     what = f"runstile {' '.join(a for a in args[:2])}"
     if done.returncode == 2:
-        raise NotMeasured(f"{what} refused a PostgreSQL ledger (exit 2): "
-                          f"{_last_line(done.stderr or done.stdout)}")
+        raise NotMeasured(f"{what} refused (exit 2): "
+                          f"{_shorter(_last_line(done.stderr or done.stdout), env)}")
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed ({done.returncode}): {_last_line(done.stderr)}")
     return done.stdout
@@ -189,12 +189,20 @@ def _prepare_ledger(data: Path, env: dict[str, str], console_script: bool = Fals
     return json.loads(out.strip().splitlines()[-1])["secret"]
 
 
-def _refused(procs, log_text: str) -> None:
+def _shorter(message: str, env: dict[str, str]) -> str:
+    """``message`` without the per-target database's URL (each one differs)."""
+    url = env.get("RUNSTILE_DATABASE_URL")
+    for form in (url, redact_url(url)) if url else ():
+        message = message.replace(form, "<the bench's database>")
+    return message
+
+
+def _refused(procs, log_text: str, env: dict[str, str]) -> None:
     """A server that exited 2 at start refused its configuration: not measured."""
     for proc in procs:
         if proc.poll() == 2:
-            raise NotMeasured(f"runstile refused a PostgreSQL ledger (exit 2): "
-                              f"{_last_line(log_text)}")
+            raise NotMeasured(f"runstile refused to start (exit 2): "
+                              f"{_shorter(_last_line(log_text), env)}")
 
 
 def bench_runstile(cfg: PgSettings, name: str) -> TargetResult:
@@ -224,7 +232,7 @@ def bench_runstile(cfg: PgSettings, name: str) -> TargetResult:
                 _wait_http_ready(port, group)
                 group.wait_log("worker up:", workers)
             except RuntimeError:
-                _refused(group.procs, group.log_text())
+                _refused(group.procs, group.log_text(), env)
                 raise
             counter = Counter(url)
             factory = _runstile_factory(port, secret)
@@ -399,7 +407,7 @@ def bench_serve(cfg: PgSettings) -> HttpResult:
             try:
                 server.wait_ready()
             except RuntimeError:
-                _refused([server.proc], server.log_tail())
+                _refused([server.proc], server.log_tail(), env)
                 raise
             headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
             result = admission._measure(server, headers, cfg.adm,

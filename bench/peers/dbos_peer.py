@@ -4,9 +4,9 @@ Worker process (``python -m bench.peers.dbos_peer [DB_URL] EXECUTOR_ID``; withou
 the URL is read from BENCH_DBOS_URL, which keeps a PostgreSQL URL and any password out of
 argv): configures DBOS with that system database (``sqlite:///…``, or
 ``postgresql://…``: DBOS's own PostgreSQL system database, its tables in the ``dbos``
-schema of that database, LISTEN/NOTIFY on, as DBOS ships it), registers the no-op workflow and the durable queue
-``bench`` (``worker_concurrency`` workflows at a time in this process), launches, and
-runs until SIGTERM/SIGINT.  Clients enqueue from other processes with
+schema of that database, LISTEN/NOTIFY on, as DBOS ships it), registers the no-op
+workflow and the durable queue ``bench`` (``worker_concurrency`` workflows at a time in
+this process), launches, and runs until SIGTERM/SIGINT.  Clients enqueue from other processes with
 :class:`dbos.DBOSClient` (:func:`client`, :func:`enqueue`), each with its own workflow
 id (DBOS's idempotency key).
 
