@@ -218,7 +218,7 @@ def bench_runstile(cfg: PgSettings, name: str) -> TargetResult:
     with fresh_database(cfg.admin_url, cfg.keep) as url, \
             temp_dir(f"bench-pg-{name}-", cfg.keep) as work:
         data = work / "data"
-        env = clean_env(RUNSTILE_DATABASE_URL=url, RUNSTILE_NODE_ID=f"bench-{name}")
+        env = clean_env(RUNSTILE_DATABASE_URL=url)
         secret = _prepare_ledger(data, env)
         port = free_port()
         group = Group(f"runstile up ({name})", work / "up.log")
@@ -395,8 +395,7 @@ def bench_serve(cfg: PgSettings) -> HttpResult:
     """``runstile serve`` on a PostgreSQL ledger, as the SQLite admission row starts it."""
     with fresh_database(cfg.admin_url, cfg.keep) as url, \
             temp_dir("bench-pg-serve-", cfg.keep) as data:
-        env = clean_env(RUNSTILE_MAX_ACTIVE_RUNS="100000000", RUNSTILE_DATABASE_URL=url,
-                        RUNSTILE_NODE_ID="bench-serve-pg")
+        env = clean_env(RUNSTILE_MAX_ACTIVE_RUNS="100000000", RUNSTILE_DATABASE_URL=url)
         secret = _prepare_ledger(data, env, console_script=True)
         port = free_port()
         server = Server([str(BIN / "runstile"), "serve", "--data-dir", str(data),
