@@ -57,7 +57,7 @@ PG_SCALING_NAMES = {
     "runstile-pg-4w": "runstile up on PostgreSQL, 4 worker processes",
 }
 PG_ADMISSION_NAMES = {
-    "serve-pg": "runstile serve POST /v1/runs, PostgreSQL ledger",
+    "serve-pg": "runstile serve POST /v1/runs on PostgreSQL",
     "baseline-pg": "bare Flask + one PostgreSQL insert",
 }
 RECOVERY_NAMES = {
