@@ -818,6 +818,10 @@ def print_pg_table(report: dict) -> None:
                   f"{'ok' if row['rows_match_202s'] else 'MISMATCH'}")
     print("-" * len(header))
     print("srv CPU: the target's own processes; the PostgreSQL server's CPU is in no row.")
+    if base and base["measured"] and base.get("ledger_start_p50_ms") is not None:
+        print(f"runstile ledger started_at - created_at: p50 "
+              f"{_fmt(base['ledger_start_p50_ms'], '.1f')} ms, p95 "
+              f"{_fmt(base['ledger_start_p95_ms'], '.1f')} ms (admission commit -> claim)")
     for row in report["targets"]:
         if row["measured"]:
             check = "ok" if row["valid"] else f"INVALID ({row['problem']})"
