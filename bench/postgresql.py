@@ -159,6 +159,28 @@ class Counter:
         self._conn.close()
 
 
+def _settle(counter: Counter, unfinished_sql: str, group: Group,
+            timeout_s: float = 30) -> None:
+    """Wait until the warm-up and latency runs have all finished.  The latency probe only
+    waits for its last run to *start*; its finish, landing after the throughput count's
+    starting point was read, would count one run too many."""
+    deadline = time.monotonic() + timeout_s
+    while counter.value(unfinished_sql):
+        group.check_alive()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{group.name}: the latency runs did not finish within "
+                               f"{timeout_s:g}s ({unfinished_sql!r})")
+        time.sleep(0.02)
+
+
+def _fill_checked(res: TargetResult, tp) -> None:
+    """execution._fill, and a reason whenever the count is not exactly the runs asked for
+    (more than asked is as invalid as fewer)."""
+    _fill(res, tp)
+    if not res.reason and res.completed != res.runs:
+        res.reason = f"{res.completed} runs counted completed for {res.runs} submitted"
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no output)"
@@ -240,6 +262,8 @@ def bench_runstile(cfg: PgSettings, name: str) -> TargetResult:
             res.ledger_latency_ms = [1000.0 * row[0] for row in counter.rows(
                 "SELECT started_at - created_at FROM runs WHERE (input::jsonb ->> 'tag') "
                 "LIKE 'lat-%' AND started_at IS NOT NULL")]
+            _settle(counter, "SELECT COUNT(*) FROM runs WHERE status IN ('queued', "
+                    "'running')", group)
             before = counter.value(COMPLETED_RUNS)
             tp = closed_loop(factory, ex.runs, ex, tag=f"tp-{os.getpid()}-{time.time_ns()}",
                              count_done=lambda: counter.value(COMPLETED_RUNS) - before,
@@ -250,7 +274,7 @@ def bench_runstile(cfg: PgSettings, name: str) -> TargetResult:
             if counter is not None:
                 counter.close()
             group.stop()
-        _fill(res, tp)
+        _fill_checked(res, tp)
         return res
 
 
@@ -293,6 +317,8 @@ def bench_dbos(cfg: PgSettings) -> TargetResult:
             counter = Counter(url)
             factory = _dbos_factory(url, wal=False)
             res.latencies_ms, res.latency_missing = latency_probe(factory, ex, work)
+            _settle(counter, "SELECT COUNT(*) FROM dbos.workflow_status WHERE status IN "
+                    "('ENQUEUED', 'PENDING')", group)
             before = counter.value(done_sql)
             tp = closed_loop(factory, ex.runs, ex, tag=f"tp-{os.getpid()}-{time.time_ns()}",
                              count_done=lambda: counter.value(done_sql) - before,
@@ -303,7 +329,7 @@ def bench_dbos(cfg: PgSettings) -> TargetResult:
             if counter is not None:
                 counter.close()
             group.stop()
-        _fill(res, tp)
+        _fill_checked(res, tp)
         return res
 
 
@@ -363,6 +389,8 @@ def bench_procrastinate(cfg: PgSettings) -> TargetResult:
                         WORKER_PROCESSES, group, 60)
             factory = _procrastinate_factory(url, ex.threads)
             res.latencies_ms, res.latency_missing = latency_probe(factory, ex, work)
+            _settle(counter, "SELECT COUNT(*) FROM procrastinate_jobs WHERE status IN "
+                    "('todo', 'doing')", group)
             before = counter.value(done_sql)
             tp = closed_loop(factory, ex.runs, ex, tag=f"tp-{os.getpid()}-{time.time_ns()}",
                              count_done=lambda: counter.value(done_sql) - before,
@@ -372,7 +400,7 @@ def bench_procrastinate(cfg: PgSettings) -> TargetResult:
         finally:
             counter.close()
             group.stop()
-        _fill(res, tp)
+        _fill_checked(res, tp)
         return res
 
 

@@ -720,8 +720,9 @@ def _pg_check(rule: str, rows: dict, a: str, b: str, key: str, goal: float) -> d
         return None
     missing = [w for w in (why(a), why(b)) if w]
     if missing:
-        invalid = any("INVALID" in w for w in missing) and not any(
-            "not measured" in w or "not run" in w for w in missing)
+        # As the execution floor does: an invalid runstile run fails; an invalid or
+        # missing comparand leaves the target not measured, never passed.
+        invalid = missing == [why(a)] and "INVALID" in missing[0]
         return {"rule": rule, "passed": False, "detail": "; ".join(missing), "goal": goal,
                 "verdict": "FAIL (INVALID)" if invalid else "NOT MEASURED", "ratio": None}
     ra, rb = rows[a][key], rows[b][key]
