@@ -27,7 +27,15 @@ Section 4, flow control (issue 16), measured and not asserted: a 400-run backlog
 mixed priorities admitted while every worker thread of ``runstile up`` is held, then
 drained; the share of pairs that started in priority order (bench/flow.py).
 
-Environment: BENCH_ONLY (admission | execution | recovery | flow; all when unset),
+Section 5, PostgreSQL (bench/postgresql.py), after the others: every target against the
+machine's PostgreSQL server, each in a fresh database the bench creates and drops.
+``runstile up`` on a PostgreSQL ledger against DBOS on PostgreSQL and Procrastinate,
+the same with 1 and 4 worker processes (scaling), and ``runstile serve`` on PostgreSQL
+against a bare Flask + one PostgreSQL insert.  Targets: runstile >= 2 x DBOS on
+PostgreSQL, >= 1 x Procrastinate, 2 worker processes >= 1.6 x one, admission >= 1 x.
+
+Environment: BENCH_ONLY (admission | execution | recovery | flow | postgresql; all when
+unset), BENCH_PG_URL, BENCH_PG_TARGETS,
 BENCH_FLOW_RUNS (400), BENCH_SECONDS (10),
 BENCH_WARMUP (2), BENCH_CLIENT_PROCESSES (4), BENCH_CLIENT_THREADS (4), BENCH_E2E_RUNS
 (2000), BENCH_LATENCY_RUNS (50), BENCH_EXEC_TARGETS, BENCH_RECOVERY_REPEATS (3), ... (all in
@@ -49,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import admission, execution, flow, recovery, summary  # noqa: E402
+from bench import admission, execution, flow, postgresql, recovery, summary  # noqa: E402
 
 FLOOR = 0.8          # issue 2: runstile >= 0.8 x baseline (b)
 EXEC_FLOOR = 1.0     # issue 3: runstile end to end >= 1.0 x DBOS on SQLite
@@ -215,9 +223,9 @@ def main() -> int:
     # A SIGTERM (e.g. from make or CI) unwinds like Ctrl-C so every server is killed.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     only = os.environ.get("BENCH_ONLY", "").strip()
-    if only not in ("", "admission", "execution", "recovery", "flow"):
-        print("BENCH_ONLY must be 'admission', 'execution', 'recovery' or 'flow'",
-              file=sys.stderr)
+    if only not in ("", "admission", "execution", "recovery", "flow", "postgresql"):
+        print("BENCH_ONLY must be 'admission', 'execution', 'recovery', 'flow' or "
+              "'postgresql'", file=sys.stderr)
         return 2
     verdicts = {}
     started = summary.now()
@@ -234,6 +242,14 @@ def main() -> int:
     if only in ("", "flow"):
         print("\n== flow control (issue 16) ==", flush=True)
         verdicts["flow control (issue 16)"] = flow_section()
+    if only in ("", "postgresql"):
+        print("\n== PostgreSQL ==", flush=True)
+        try:
+            verdicts["PostgreSQL"] = postgresql_section()
+        except Exception:   # the other sections' tables and JSON are already out
+            import traceback
+            traceback.print_exc()
+            verdicts["PostgreSQL"] = False
     try:
         combined = summary.build(REPORTS)
         summary.print_table(combined)
@@ -644,6 +660,219 @@ def flow_section() -> bool:
     print(f"  starts before the first priority-9 start: {row['starts_before_first_9']}")
     print(f"saved {report['saved_to']}")
     return True
+
+# ------------------------------------------------------------------ PostgreSQL
+
+PG_E2E_GOAL = 2.0           # runstile up on PostgreSQL >= 2 x DBOS on PostgreSQL
+PG_PROCRASTINATE_GOAL = 1.0  # ... >= 1 x Procrastinate
+PG_SCALING_GOAL = 1.6       # 2 worker processes >= 1.6 x one
+PG_ADMISSION_GOAL = 1.0     # runstile serve on PostgreSQL >= 1 x Flask + one PG insert
+PG_LABELS = {
+    "runstile-pg": "(a) runstile up, PostgreSQL ledger",
+    "dbos-pg": "(b) DBOS, PostgreSQL system database",
+    "procrastinate-pg": "(c) Procrastinate (async no-op task)",
+    "runstile-pg-1w": "(d) runstile up, 1 worker process",
+    "runstile-pg-4w": "(e) runstile up, 4 worker processes",
+    "serve-pg": "(f) runstile serve POST /v1/runs",
+    "baseline-pg": "(g) baseline Flask + one PG insert",
+    "raw-pg": "(h) raw PostgreSQL commits (rows/s)",
+}
+
+
+def _pg_rows(results: dict) -> tuple[list[dict], dict]:
+    """The end-to-end rows (``_exec_row`` shape) and the admission rows of one run;
+    a target not measured keeps its reason in ``problem``."""
+    e2e, adm = [], {}
+    for name, res in results.items():
+        if isinstance(res, str):
+            row = {"target": name, "measured": False, "valid": False, "problem": res}
+        elif isinstance(res, execution.TargetResult):
+            row = _exec_row(res)
+        elif isinstance(res, admission.HttpResult):
+            row = {**_http_row(name, res), "measured": True}
+            row["valid"] = row["errors"] == 0 and row["rows_match_202s"]
+            row["problem"] = None if row["valid"] else (
+                f"{row['errors']} failed requests; {row['accepted_202']} x 202 but "
+                f"{row['rows_in_db']} rows")
+        else:
+            row = {"target": name, "measured": True, "valid": True, "problem": None,
+                   "rows_per_s": round(res["rows_per_s"], 1), "rows": res["rows"],
+                   "cpu_ms_per_row": _round(1000 * res["cpu_s"] / res["rows"], 4)
+                   if res["rows"] else None}
+        if name in postgresql.E2E_TARGETS:
+            e2e.append(row)
+        else:
+            adm[name] = row
+    return e2e, adm
+
+
+def _pg_check(rule: str, rows: dict, a: str, b: str, key: str, goal: float) -> dict:
+    """Row ``a``'s ``key`` >= goal x row ``b``'s: PASS, FAIL, or NOT MEASURED (with why)."""
+    def why(name: str) -> str | None:
+        r = rows.get(name)
+        # Short: the row itself prints the whole reason.
+        if r is None:
+            return f"{name} not run (BENCH_PG_TARGETS)"
+        if not r["measured"]:
+            return f"{name} not measured"
+        if not r["valid"]:
+            return f"{name} INVALID"
+        return None
+    missing = [w for w in (why(a), why(b)) if w]
+    if missing:
+        # As the execution floor does: an invalid runstile run fails; an invalid or
+        # missing comparand leaves the target not measured, never passed.
+        invalid = missing == [why(a)] and "INVALID" in missing[0]
+        return {"rule": rule, "passed": False, "detail": "; ".join(missing), "goal": goal,
+                "verdict": "FAIL (INVALID)" if invalid else "NOT MEASURED", "ratio": None}
+    ra, rb = rows[a][key], rows[b][key]
+    ratio = _ratio(ra or 0, rb or 0)
+    passed = ratio is not None and ratio >= goal
+    return {"rule": rule, "passed": passed, "ratio": ratio, "goal": goal,
+            "detail": f"{ra:.1f} / {rb:.1f} = {_fmt(ratio, '.3f')}",
+            "verdict": "PASS" if passed else "FAIL"}
+
+
+def _pg_checks(e2e: list[dict], adm: dict) -> dict[str, dict]:
+    rows = {r["target"]: r for r in e2e}
+    return {
+        "end to end vs DBOS": _pg_check(
+            f"runstile up runs/s >= {PG_E2E_GOAL:g} x DBOS, both on PostgreSQL", rows,
+            "runstile-pg", "dbos-pg", "runs_per_s", PG_E2E_GOAL),
+        "end to end vs Procrastinate": _pg_check(
+            f"runstile up runs/s >= {PG_PROCRASTINATE_GOAL:g} x Procrastinate", rows,
+            "runstile-pg", "procrastinate-pg", "runs_per_s", PG_PROCRASTINATE_GOAL),
+        "scaling": _pg_check(
+            f"runstile up on PostgreSQL, 2 worker processes >= {PG_SCALING_GOAL:g} x 1",
+            rows, "runstile-pg", "runstile-pg-1w", "runs_per_s", PG_SCALING_GOAL),
+        "admission": _pg_check(
+            f"runstile serve req/s >= {PG_ADMISSION_GOAL:g} x bare Flask + one PostgreSQL "
+            "insert", adm, "serve-pg", "baseline-pg", "throughput_per_s", PG_ADMISSION_GOAL),
+    }
+
+
+def print_pg_table(report: dict) -> None:
+    cfg, srv = report["config"], report["config"]["server"]
+    rows = {r["target"]: r for r in report["targets"]}
+    adm = report["admission"]
+    print()
+    print("PostgreSQL benchmark — " + (
+        f"PostgreSQL {srv['server_version']} at {srv['url']} (synchronous_commit="
+        f"{srv['synchronous_commit']}, fsync={srv['fsync']}), " if srv else "")
+        + f"each target in a fresh database; {cfg['runs']} no-op runs per end-to-end "
+        f"target from {cfg['clients']} closed-loop clients, workers {cfg['workers']} "
+        f"unless named; admission {cfg['admission_s']:g} s per target; {cfg['cpus']} CPUs")
+    header = (f"{'target':<38} {'runs/s':>8} {'submit/s':>9} {'start p50 ms':>13} "
+              f"{'start p95 ms':>13} {'srv CPU ms/run':>15} {'runstile/this':>14}")
+    print(header)
+    print("-" * len(header))
+    base = rows.get("runstile-pg")
+    base_rate = base["runs_per_s"] if base and base["measured"] and base["valid"] else None
+    one = rows.get("runstile-pg-1w")
+    one_rate = one["runs_per_s"] if one and one["measured"] and one["valid"] else None
+    for name in postgresql.E2E_TARGETS:
+        row, label = rows.get(name), PG_LABELS[name]
+        if row is None:
+            print(f"{label:<38} {'(skipped: BENCH_PG_TARGETS)':>30}")
+            continue
+        if not row["measured"]:
+            print(f"{label:<38} not measured: {row['problem']}")
+            continue
+        ratio = _ratio(base_rate, row["runs_per_s"] or 0) if base_rate else None
+        if name.startswith("runstile"):
+            vs = "-" if name == "runstile-pg" else f"2w/this {_fmt(ratio, '.2f')}"
+        else:
+            vs = _fmt(ratio, ".3f")
+        print(f"{label:<38} {_fmt(row['runs_per_s']):>8} {_fmt(row['submit_per_s']):>9} "
+              f"{_fmt(row['start_p50_ms'], '.1f'):>13} {_fmt(row['start_p95_ms'], '.1f'):>13} "
+              f"{_fmt(row['server_cpu_ms_per_run'], '.2f'):>15} {vs:>14}"
+              + ("" if row["valid"] else f"  INVALID: {row['problem']}"))
+    if one_rate:
+        print("scaling, runs/s against 1 worker process: " + ", ".join(
+            f"{n} processes {_fmt(_ratio(rows[t]['runs_per_s'] or 0, one_rate), '.2f')}x"
+            for t, n in postgresql.RUNSTILE_WORKERS.items()
+            if t in rows and rows[t]["measured"] and rows[t]["valid"]))
+    print("-" * len(header))
+    print(f"{'admission':<38} {'rate/s':>8} {'p50 ms':>9} {'p99 ms':>13} {'errors':>13} "
+          f"{'srv CPU ms/req':>15} {'runstile/this':>14}")
+    rs_adm = adm.get("serve-pg")
+    rs_rate = rs_adm["throughput_per_s"] if rs_adm and rs_adm["measured"] else None
+    for name in postgresql.ADMISSION_TARGETS:
+        row, label = adm.get(name), PG_LABELS[name]
+        if row is None:
+            print(f"{label:<38} {'(skipped: BENCH_PG_TARGETS)':>30}")
+        elif not row["measured"]:
+            print(f"{label:<38} not measured: {row['problem']}")
+        elif name == "raw-pg":
+            ratio = _ratio(rs_rate, row["rows_per_s"]) if rs_rate else None
+            print(f"{label:<38} {_fmt(row['rows_per_s']):>8} {'':>9} {'':>13} {'':>13} "
+                  f"{_fmt(row['cpu_ms_per_row'], '.3f'):>15} {_fmt(ratio, '.3f'):>14}")
+        else:
+            ratio = _ratio(rs_rate, row["throughput_per_s"]) if rs_rate else None
+            vs = "-" if name == "serve-pg" else _fmt(ratio, ".3f")
+            print(f"{label:<38} {_fmt(row['throughput_per_s']):>8} "
+                  f"{_fmt(row['p50_ms'], '.2f'):>9} {_fmt(row['p99_ms'], '.2f'):>13} "
+                  f"{row['errors']:>13} {_fmt(row['server_cpu_ms_per_req'], '.3f'):>15} "
+                  f"{vs:>14}")
+            print(f"{'':<38} durability check: {row['accepted_202']} x 202 answered, "
+                  f"{row['rows_in_db']} rows in its database -> "
+                  f"{'ok' if row['rows_match_202s'] else 'MISMATCH'}")
+    print("-" * len(header))
+    print("srv CPU: the target's own processes; the PostgreSQL server's CPU is in no row.")
+    if base and base["measured"] and base.get("ledger_start_p50_ms") is not None:
+        print(f"runstile ledger started_at - created_at: p50 "
+              f"{_fmt(base['ledger_start_p50_ms'], '.1f')} ms, p95 "
+              f"{_fmt(base['ledger_start_p95_ms'], '.1f')} ms (admission commit -> claim)")
+    for row in report["targets"]:
+        if row["measured"]:
+            check = "ok" if row["valid"] else f"INVALID ({row['problem']})"
+            print(f"check {row['target']}: {row['completed']} of {row['runs']} runs completed, "
+                  f"{row['errors']} failed submissions -> {check}")
+    for name, c in report["checks"].items():
+        print(f"target (PostgreSQL, {name}): {c['rule']}: {c['detail']} -> {c['verdict']}")
+    print(f"saved {report['saved_to']}")
+
+
+def postgresql_section() -> bool:
+    """The PostgreSQL rows; True when every one of their targets passed."""
+    cfg = postgresql.PgSettings.from_env()
+    print(f"bench: targets {', '.join(cfg.targets)} on {postgresql.redact_url(cfg.admin_url)}; "
+          f"{cfg.exec.runs} runs per end-to-end target, {cfg.adm.duration_s:g} s per "
+          "admission target (override with BENCH_PG_URL / BENCH_PG_TARGETS / BENCH_E2E_RUNS "
+          "/ BENCH_SECONDS)", flush=True)
+    info, results = postgresql.run_all(cfg, log=lambda line: print(line, flush=True))
+    e2e, adm = _pg_rows(results)
+    checks = _pg_checks(e2e, adm)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"postgresql-{stamp}.json"
+    report = {
+        "benchmark": "postgresql",
+        "time": stamp,
+        "config": {"runs": cfg.exec.runs, "latency_runs": cfg.exec.latency_runs,
+                   "latency_gap_ms": cfg.exec.latency_gap_s * 1000,
+                   "clients": cfg.exec.processes * cfg.exec.threads,
+                   "client_processes": cfg.exec.processes, "client_threads": cfg.exec.threads,
+                   "workers": f"{execution.WORKER_PROCESSES} processes x "
+                              f"{execution.WORKER_THREADS} threads",
+                   "admission_s": cfg.adm.duration_s, "admission_warmup_s": cfg.adm.warmup_s,
+                   "admission_clients": cfg.adm.processes * cfg.adm.threads,
+                   "admission_server": f"gunicorn {admission.GUNICORN_WORKERS} processes x "
+                                       f"{admission.GUNICORN_THREADS} gthread threads",
+                   "server": info, "cpus": os.cpu_count(),
+                   "python": platform.python_version(), "platform": platform.platform()},
+        "targets": e2e,
+        "admission": adm,
+        "checks": checks,
+        "saved_to": str(out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out),
+    }
+    text = json.dumps(report, indent=2) + "\n"
+    out.write_text(text)
+    (RESULTS / "latest-postgresql.json").write_text(text)
+    REPORTS["postgresql"] = report
+    print_pg_table(report)
+    return all(c["passed"] for c in checks.values())
+
 
 
 if __name__ == "__main__":

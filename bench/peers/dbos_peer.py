@@ -1,9 +1,12 @@
-"""DBOS on SQLite, the execution benchmark's durable peer (bench/README.md).
+"""DBOS on SQLite or PostgreSQL, the execution benchmark's durable peer (bench/README.md).
 
-Worker process (``python -m bench.peers.dbos_peer DB_URL EXECUTOR_ID``): configures DBOS
-with a SQLite system database, registers the no-op workflow and the durable queue
-``bench`` (``worker_concurrency`` workflows at a time in this process), launches, and
-runs until SIGTERM/SIGINT.  Clients enqueue from other processes with
+Worker process (``python -m bench.peers.dbos_peer [DB_URL] EXECUTOR_ID``; without DB_URL
+the URL is read from BENCH_DBOS_URL, which keeps a PostgreSQL URL and any password out of
+argv): configures DBOS with that system database (``sqlite:///…``, or
+``postgresql://…``: DBOS's own PostgreSQL system database, its tables in the ``dbos``
+schema of that database, LISTEN/NOTIFY on, as DBOS ships it), registers the no-op
+workflow and the durable queue ``bench`` (``worker_concurrency`` workflows at a time in
+this process), launches, and runs until SIGTERM/SIGINT.  Clients enqueue from other processes with
 :class:`dbos.DBOSClient` (:func:`client`, :func:`enqueue`), each with its own workflow
 id (DBOS's idempotency key).
 
@@ -94,4 +97,4 @@ def worker(url: str, executor_id: str) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(sys.argv[1] if len(sys.argv) > 2 else os.environ["BENCH_DBOS_URL"], sys.argv[-1])
