@@ -21,7 +21,6 @@ from .options import (
     _emit_json,
     _fail,
     json_option,
-    runs_on_postgresql,
     settings_options,
 )
 
@@ -33,7 +32,6 @@ def db() -> None:
 
 @db.command("migrate")
 @settings_options
-@runs_on_postgresql
 @json_option
 def db_migrate(settings, as_json):
     """Bring the ledger to the current schema (safe to run any time)."""
@@ -52,7 +50,6 @@ def db_migrate(settings, as_json):
 
 @db.command("check")
 @settings_options
-@runs_on_postgresql
 @json_option
 def db_check(settings, as_json):
     """Integrity and invariant report; exit 1 if anything is wrong."""
@@ -84,7 +81,6 @@ def db_check(settings, as_json):
 
 @db.command("backup")
 @settings_options
-@runs_on_postgresql
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
 @json_option
@@ -113,7 +109,6 @@ def db_backup(settings, path, force, as_json):
 
 @db.command("copy")
 @settings_options
-@runs_on_postgresql
 @click.option("--to", "to", default=None, metavar="URL",
               help="The PostgreSQL database to copy into, postgresql://user:password@host:"
                    "port/db: empty, or holding only a migrated schema [default: "

@@ -20,7 +20,6 @@ from .options import (
     _ledger,
     client_or_ledger_options,
     json_option,
-    runs_on_postgresql,
 )
 
 STATES = ("pending", "attempting", "delivered", "parked", "discarded")
@@ -58,7 +57,6 @@ def _local_list(settings, run_id: str | None, states: tuple[str, ...], limit: in
 
 @deliveries.command("list")
 @client_or_ledger_options
-@runs_on_postgresql
 @click.argument("run_id", required=False)
 @click.option("--state", "states", multiple=True, type=click.Choice(STATES),
               help="Only obligations in this state (repeatable).")
@@ -128,7 +126,6 @@ def _settle(client, settings, delivery_id: str, action: str, as_json: bool) -> N
 
 @deliveries.command("retry")
 @client_or_ledger_options
-@runs_on_postgresql
 @click.argument("delivery_id")
 @json_option
 def deliveries_retry(client, settings, delivery_id, as_json):
@@ -138,7 +135,6 @@ def deliveries_retry(client, settings, delivery_id, as_json):
 
 @deliveries.command("discard")
 @client_or_ledger_options
-@runs_on_postgresql
 @click.argument("delivery_id")
 @json_option
 def deliveries_discard(client, settings, delivery_id, as_json):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .options import _emit_json, _fail, _ledger, json_option, runs_on_postgresql, settings_options
+from .options import _emit_json, _fail, _ledger, json_option, settings_options
 
 
 @click.group("keys")
@@ -30,7 +30,6 @@ def _key_json(key_id: str, secret: str, profile: str, role: str) -> dict:
 
 @keys.command("create")
 @settings_options
-@runs_on_postgresql
 @click.option("--profile", required=True, help="Profile (tenant); created if new.")
 @click.option("--label", default=None, help="Free text to recognise the key by.")
 @click.option("--admin", is_flag=True, help="An admin key sees every run of its profile.")
@@ -53,7 +52,6 @@ def keys_create(settings, profile, label, admin, as_json):
 
 @keys.command("list")
 @settings_options
-@runs_on_postgresql
 @click.option("--profile", default=None, help="Only this profile's keys.")
 @json_option
 def keys_list(settings, profile, as_json):
@@ -75,7 +73,6 @@ def keys_list(settings, profile, as_json):
 
 @keys.command("revoke")
 @settings_options
-@runs_on_postgresql
 @click.argument("key_id")
 @json_option
 def keys_revoke(settings, key_id, as_json):
@@ -93,7 +90,6 @@ def keys_revoke(settings, key_id, as_json):
 
 @keys.command("rotate")
 @settings_options
-@runs_on_postgresql
 @click.argument("key_id")
 @json_option
 def keys_rotate(settings, key_id, as_json):
@@ -119,7 +115,6 @@ def webhooks() -> None:
 
 @webhooks.command("secret")
 @settings_options
-@runs_on_postgresql
 @click.option("--profile", required=True, help="Profile whose deliveries it signs.")
 @click.option("--rotate", is_flag=True,
               help="Make a new secret; the old one keeps signing for "

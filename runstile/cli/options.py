@@ -30,8 +30,7 @@ from ..errors import ConfigError
 
 def settings_options(fn):
     """Add --data-dir, --tasks and --database-url to a subcommand and turn them into
-    ``settings``.  A command not marked :func:`runs_on_postgresql` refuses a PostgreSQL
-    ledger (exit 2): only some commands run on one yet (docs/configuration.md)."""
+    ``settings`` (every command runs on either ledger: docs/configuration.md)."""
 
     @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                   help="Data directory [env RUNSTILE_DATA_DIR; default ./runstile-data].")
@@ -50,19 +49,9 @@ def settings_options(fn):
                                          database_url=database_url)
         except ConfigError as exc:
             raise click.UsageError(exc.message) from None
-        if settings.database_url and not getattr(fn, "runs_on_postgresql", False):
-            _fail(f"this command does not run on a PostgreSQL ledger yet "
-                  f"({settings.ledger_name}); docs/configuration.md, RUNSTILE_DATABASE_URL, "
-                  f"lists those that do", code=2)
         return fn(settings, *args, **kwargs)
 
     return wrapper
-
-
-def runs_on_postgresql(fn):
-    """Mark a command that works on a PostgreSQL ledger (see settings_options)."""
-    fn.runs_on_postgresql = True
-    return fn
 
 
 def url_flag_given() -> bool:

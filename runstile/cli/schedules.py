@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from .options import _emit_json, _fail, _ledger, json_option, runs_on_postgresql, settings_options
+from .options import _emit_json, _fail, _ledger, json_option, settings_options
 
 
 @click.group("schedules")
@@ -31,7 +31,6 @@ def _line(obj: dict) -> str:
 
 @schedules.command("list")
 @settings_options
-@runs_on_postgresql
 @json_option
 def schedules_list(settings, as_json):
     """Each schedule with its last and next tick."""
@@ -72,7 +71,6 @@ def _set(settings, name: str, paused: bool, as_json: bool) -> None:
 
 @schedules.command("pause")
 @settings_options
-@runs_on_postgresql
 @click.argument("name")
 @json_option
 def schedules_pause(settings, name, as_json):
@@ -82,7 +80,6 @@ def schedules_pause(settings, name, as_json):
 
 @schedules.command("resume")
 @settings_options
-@runs_on_postgresql
 @click.argument("name")
 @json_option
 def schedules_resume(settings, name, as_json):

@@ -22,7 +22,6 @@ from .options import (
     json_option,
     listen_options,
     pool_options,
-    runs_on_postgresql,
     settings_options,
     url_flag_given,
     web_workers_option,
@@ -73,7 +72,6 @@ def _with_queues(settings: Settings, queues: tuple[str, ...],
 
 @click.command("serve")
 @settings_options
-@runs_on_postgresql
 @listen_options
 @web_workers_option
 @click.option("--threads", "web_threads", type=click.IntRange(1, 256), default=None,
@@ -111,7 +109,6 @@ def _serve_args(settings: Settings) -> list[str]:
 
 @click.command("up")
 @settings_options
-@runs_on_postgresql
 @listen_options
 @pool_options
 @queue_options
@@ -127,7 +124,6 @@ def up(settings, host, port, workers, threads, queues, queue_threads, web_worker
 
 @click.command("worker")
 @settings_options
-@runs_on_postgresql
 @pool_options
 @queue_options
 def worker(settings, workers, threads, queues, queue_threads):
@@ -140,7 +136,6 @@ def worker(settings, workers, threads, queues, queue_threads):
 
 @click.command("worker-process", hidden=True)
 @settings_options
-@runs_on_postgresql
 @click.option("--generation", type=click.IntRange(1), required=True)
 @click.option("--threads", type=click.IntRange(1, 256), default=None)
 @queue_options
@@ -154,7 +149,6 @@ def worker_process(settings, generation, threads, queues, queue_threads):
 
 @click.command("recover")
 @settings_options
-@runs_on_postgresql
 @json_option(help="Print the report as one JSON object.")
 def recover(settings, as_json):
     """One recovery pass now (for cron); never bumps a node generation."""

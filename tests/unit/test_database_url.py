@@ -55,24 +55,6 @@ def test_a_url_without_a_password_is_shown_as_it_is():
     assert redact_url("postgresql://:pw@[::1]:5432/runs") == "postgresql://:***@[::1]:5432/runs"
 
 
-def test_a_command_that_does_not_run_on_postgresql_yet_refuses_it_with_exit_2(tmp_path):
-    import click
-    from click.testing import CliRunner
-
-    from runstile.cli.options import settings_options
-
-    @click.command("sqlite-only")
-    @settings_options
-    def sqlite_only(settings):  # not marked runs_on_postgresql
-        click.echo("ran")
-
-    result = CliRunner().invoke(sqlite_only, ["--data-dir", str(tmp_path), "--database-url",
-                                              f"postgresql://app:{SECRET}@127.0.0.1:1/runs"])
-    assert result.exit_code == 2 and "does not run on a PostgreSQL ledger yet" in result.output
-    assert "ran" not in result.output and SECRET not in result.output
-    assert not (tmp_path / "ledger.db").exists()
-
-
 def test_db_migrate_and_check_run_on_postgresql(tmp_path, capsys):
     with postgres.fresh_database() as url:
         code, out, _ = run(["db", "migrate", "--json", "--data-dir", str(tmp_path),
