@@ -62,7 +62,7 @@ def crashed_run(ledger, key, task: str, *, generation: int = 1, lease_s: float =
 
 
 def settings_for(ledger, **changes) -> Settings:
-    return Settings(data_dir=ledger.data_dir, node_id="node-a", **changes)
+    return Settings(data_dir=ledger.data_dir, database_url=ledger.url, node_id="node-a", **changes)
 
 
 def status(ledger, rid):
@@ -286,8 +286,9 @@ def seed_reports(ledger, count: int, *, age_s: float) -> None:
 
 def report_ages(ledger, retention_s: float) -> tuple[int, int]:
     """(reports older than ``retention_s``, younger ones)."""
-    return ledger.query(f"SELECT SUM(finished_at <= {db.NOW} - ?), SUM(finished_at > "
-                        f"{db.NOW} - ?) FROM recovery_reports", (retention_s, retention_s))[0]
+    return ledger.query(f"SELECT COUNT(*) FILTER (WHERE finished_at <= {db.NOW} - ?), "
+                        f"COUNT(*) FILTER (WHERE finished_at > {db.NOW} - ?) "
+                        "FROM recovery_reports", (retention_s, retention_s))[0]
 
 
 def test_a_pass_keeps_the_newest_1000_recovery_reports_and_every_younger_one(ledger):
@@ -295,7 +296,7 @@ def test_a_pass_keeps_the_newest_1000_recovery_reports_and_every_younger_one(led
     settings = settings_for(ledger, run_retention_s=day)
     seed_reports(ledger, 1500, age_s=3 * day)  # a scheduled pass every 10 s for 4 hours
     newest = ledger.query("SELECT MIN(id) FROM (SELECT id FROM recovery_reports "
-                          "ORDER BY id DESC LIMIT 1000)")[0][0]
+                          "ORDER BY id DESC LIMIT 1000) AS newest")[0][0]
     report = reconcile.run_pass(settings, generation=1, trigger="scheduled")
     assert report.counts["reports_pruned"] == 500
     # The newest 1,000 old ones stay, and the pass's own (young) report.

@@ -15,6 +15,7 @@ from itertools import pairwise
 import pytest
 import requests
 
+from runstile.ledger import db
 from runstile.ticks import spell
 from tests.conftest import ROOT, RUNSTILE, Workers, wait_until
 from tests.workers.test_broker_contract import broker  # noqa: F401 - the fixture
@@ -32,14 +33,23 @@ def every_second(name: str, catchup: str = "all") -> dict:
             "input": {"from": name}}
 
 
+def schedule_of(ledger, column: str) -> str:
+    """SQL for the schedule named in a run's metadata, in the ledger's dialect."""
+    conn = ledger.connect()
+    try:
+        return db.dialect(conn).json_text(column, "schedule")
+    finally:
+        conn.close()
+
+
 def ticks_of(ledger, name: str) -> list[float]:
     """The ticks of ``name`` that have a run, each as often as it has one."""
+    schedule = schedule_of(ledger, "r.metadata")
     rows = ledger.query(
         "SELECT k.idempotency_key FROM runs r JOIN idempotency_keys k ON k.run_id = r.id "
-        "WHERE json_extract(r.metadata, '$.schedule') = ?", (name,))
-    unkeyed = ledger.query("SELECT COUNT(*) FROM runs r WHERE json_extract(r.metadata, "
-                           "'$.schedule') = ? AND r.id NOT IN (SELECT run_id FROM "
-                           "idempotency_keys)", (name,))[0][0]
+        f"WHERE {schedule} = ?", (name,))
+    unkeyed = ledger.query(f"SELECT COUNT(*) FROM runs r WHERE {schedule} = ? AND r.id "
+                           "NOT IN (SELECT run_id FROM idempotency_keys)", (name,))[0][0]
     assert unkeyed == 0, "every scheduled run has its tick's key"
     prefix = f"schedule:{name}:"
     ticks = []
@@ -202,10 +212,11 @@ def test_an_admin_key_lists_schedules_and_finds_a_ticks_run_by_its_key(ledger, m
 def test_ticks_runs_are_published_after_the_commit_and_executed_on_redis(ledger, broker):  # noqa: F811
     env = {**env_for(every_second("on-redis")), "RUNSTILE_BROKER_URL": broker.url}
     node = Workers(ledger.data_dir, env, workers=1, threads=2).start()
+    schedule = schedule_of(ledger, "metadata")
     try:
         wait_until(lambda: ledger.query(
             "SELECT COUNT(*) FROM runs WHERE status = 'completed' AND "
-            "json_extract(metadata, '$.schedule') = 'on-redis'")[0][0] >= 3, 20, 0.1,
+            f"{schedule} = 'on-redis'")[0][0] >= 3, 20, 0.1,
             "three scheduled runs executed through Redis")
     finally:
         node.kill()
