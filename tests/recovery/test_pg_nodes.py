@@ -2,8 +2,9 @@
 generations"): `runstile worker` holds the node's advisory lock for life, a second live
 node of the same name is refused, a SIGKILLed node's lock is free again at once, and the
 scheduled recovery of the survivors takes over a dead node's runs long before their
-leases lapse, each run classified once.  Runs travel on Redis (a database of this
-module's own, flushed by each test) so that no embedded broker is needed."""
+leases lapse, each run classified once.  Runs travel on the embedded broker, which lives
+in each test's own PostgreSQL database: no broker state is shared with another test or
+another run of the suite (a fixed Redis database was, under parallel runs)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from runstile import dispatch
+from runstile.config import Settings
 from runstile.ledger import admission, migrations
 from runstile.ledger.keys import Principal
 from tests import postgres
@@ -26,35 +29,30 @@ from tests.conftest import (
     STARTED,
     Ledger,
     Workers,
-    broker_available,
     child_pids,
     kill_group,
     wait_until,
 )
 
-#: Redis database of these tests alone (flushed at each start).
-REDIS_DB = 11
 PASSWORD = "s3cret-of-the-ledger"  # trust auth ignores it; it must show nowhere
 LEASE_S, INTERVAL_S = 30.0, 1.0
+#: The embedded broker's enqueue: a run's message is written in its admission's transaction.
+ENQUEUE = dispatch.Dispatcher(Settings()).enqueue
 
 
 @pytest.fixture
 def pg(tmp_path):
-    broker_available("redis")
-    import redis
-    redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB).flushdb()
     with postgres.fresh_database(required=True) as url:
         parts = urlsplit(url)
         url = urlunsplit(parts._replace(netloc=f"{parts.username}:{PASSWORD}@"
                                                f"{parts.hostname}:{parts.port}"))
         migrations.migrate(url)
         yield Ledger(tmp_path / "data", url=url)
-    redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB).flushdb()
 
 
 def env_of(ledger: Ledger, node_id: str) -> dict:
     return {"RUNSTILE_DATABASE_URL": ledger.url, "RUNSTILE_NODE_ID": node_id,
-            "RUNSTILE_BROKER_URL": f"redis://127.0.0.1:6379/{REDIS_DB}",
+            "RUNSTILE_BROKER_URL": "sqlite",
             "RUNSTILE_TASKS": "tests.workers.exec_tasks", "RUNSTILE_LEASE_S": str(LEASE_S),
             "RUNSTILE_HEARTBEAT_S": "1", "RUNSTILE_RECOVERY_INTERVAL_S": str(INTERVAL_S)}
 
@@ -78,7 +76,8 @@ def admit(ledger: Ledger, key, task: str, log: Path, ticks: int = 4000) -> str:
             input_json=json.dumps({"log": str(log), "ticks": ticks}), session_key=None,
             trigger_id=None, metadata_json=None, callback_url=None, fingerprint="f" * 64,
             fingerprint_version=1)
-        return admission.admit(conn, request, refusal=None, max_active_runs=10_000).run["id"]
+        return admission.admit(conn, request, refusal=None, max_active_runs=10_000,
+                               enqueue=ENQUEUE).run["id"]
     finally:
         conn.close()
 
@@ -133,7 +132,7 @@ def test_survivors_take_over_a_sigkilled_nodes_runs_before_their_leases_lapse(pg
     log, key = tmp_path / "executions.log", pg.key()
     tasks = {"t.hold": 2, "t.hold_pause": 1, "t.hold_resume": 1}
     runs = {admit(pg, key, task, log): task for task, n in tasks.items() for _ in range(n)}
-    a = node(pg, tmp_path, "node-a")  # its boot publishes the runs; its 4 threads hold them
+    a = node(pg, tmp_path, "node-a")  # its 4 threads hold the runs
     wait_until(lambda: pg.query("SELECT COUNT(*) FROM runs WHERE status = 'running' AND "
                                 "owner_node = 'node-a'")[0][0] == len(runs), 30, 0.1,
                "node-a to hold every run")

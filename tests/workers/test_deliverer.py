@@ -40,7 +40,8 @@ def connections(monkeypatch):
 
 
 def settings_for(ledger, **changes) -> Settings:
-    values = dict(data_dir=ledger.data_dir, node_id="node-a", callback_allowlist=("127.0.0.1",),
+    values = dict(data_dir=ledger.data_dir, database_url=ledger.url, node_id="node-a",
+                  callback_allowlist=("127.0.0.1",),
                   delivery_backoff_s=0.05, delivery_backoff_max_s=0.2,
                   delivery_read_timeout_s=0.5, delivery_connect_timeout_s=0.5)
     values.update(changes)
@@ -67,7 +68,7 @@ def finished_run(ledger, key, url: str) -> tuple[str, str]:
 
 def deliverer(ledger, resolver=socket.getaddrinfo, **changes) -> Deliverer:
     settings = settings_for(ledger, **changes)
-    pool = ConnectionPool(settings.ledger_path, synchronous="FULL", busy_timeout_ms=5000)
+    pool = ConnectionPool(settings.ledger_target, synchronous="FULL", busy_timeout_ms=5000)
     return Deliverer(settings, pool, node="node-a",
                      generation=1, resolver=resolver)
 
