@@ -25,7 +25,10 @@ What it guarantees, and how:
 * **Counters carried over.**  Identity columns (runs.seq, recovery_reports.id,
   broker_messages.id) continue after the largest id ever given out: the larger of the
   copied maximum and SQLite's own AUTOINCREMENT counter (sqlite_sequence), which
-  remembers ids of rows since deleted.
+  remembers ids of rows since deleted.  obligations.page_seq, the one identity SQLite
+  has no column for (its rowid does that job there), is numbered by the COPY itself,
+  the rows going in rowid order; its sequence too is set to the largest copied (an
+  earlier copy rolled back may have used numbers: a gap, harmless in an order).
 * **Counted twice.**  Each table's rows are counted in the source snapshot and in the
   target before the commit; any difference rolls the copy back.
 
@@ -168,9 +171,9 @@ def _copy_tables(src: sqlite3.Connection, tgt: psycopg.Connection[Any], tables: 
     _triggers(tgt, tables, enabled=False)
     tgt.execute("DELETE FROM ledger_meta")  # its schema_version row comes from the source
     for table in tables:
-        columns = _columns(src, tgt, table)
+        columns, numbered = _columns(src, tgt, table)
         source_rows = src.execute(f'SELECT COUNT(*) FROM "{table}"').fetchone()[0]
-        _copy_table(src, tgt, table, columns, progress)
+        _copy_table(src, tgt, table, columns, progress, in_rowid_order=bool(numbered))
         target_rows = _count(tgt, table)
         report.counts[table] = (source_rows, target_rows)
     report.sequences = _reset_sequences(src, tgt)
@@ -217,24 +220,33 @@ def _has_rows(tgt: psycopg.Connection[Any], table: str) -> bool:
 
 
 def _columns(src: sqlite3.Connection, tgt: psycopg.Connection[Any],
-             table: str) -> list[tuple[str, str]]:
-    """(column, PostgreSQL type) of ``table``, in the source's order."""
+             table: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """(column, PostgreSQL type) of ``table``, in the source's order; and the target's
+    identity columns SQLite has no twin of (obligations.page_seq), which COPY numbers."""
     names = [r[1] for r in src.execute(f'PRAGMA table_info("{table}")')]
-    types = dict(tgt.execute(
-        "SELECT column_name, data_type FROM information_schema.columns "
-        "WHERE table_schema = current_schema() AND table_name = %s", (table,)).fetchall())
-    if set(names) != set(types):
+    found = tgt.execute(
+        "SELECT column_name, data_type, is_identity FROM information_schema.columns "
+        "WHERE table_schema = current_schema() AND table_name = %s", (table,)).fetchall()
+    types = {name: pg_type for name, pg_type, _ in found}
+    numbered = sorted(name for name, _, identity in found
+                      if identity == "YES" and name not in names)
+    if set(names) != set(types) - set(numbered):
         raise ConfigError(f"table {table}: the target's columns differ from the source's "
-                          f"({sorted(set(names) ^ set(types))})")
-    return [(name, types[name]) for name in names]
+                          f"({sorted(set(names) ^ (set(types) - set(numbered)))})")
+    return [(name, types[name]) for name in names], numbered
 
 
 def _copy_table(src: sqlite3.Connection, tgt: psycopg.Connection[Any], table: str,
-                columns: list[tuple[str, str]], progress: Progress | None) -> None:
+                columns: list[tuple[str, str]], progress: Progress | None, *,
+                in_rowid_order: bool = False) -> None:
     """COPY the rows in batches; values go as the target column's type, so an SQLite
-    INTEGER held in a REAL column lands as that float, a BLOB as bytea."""
+    INTEGER held in a REAL column lands as that float, a BLOB as bytea.
+    ``in_rowid_order``: the table has a PostgreSQL-only identity that stands for
+    SQLite's rowid (obligations.page_seq), so the rows go in rowid order and COPY numbers
+    them in the order the source paged them."""
     listed = ", ".join(f'"{name}"' for name, _ in columns)
-    reader = src.execute(f'SELECT {listed} FROM "{table}"')
+    order = " ORDER BY rowid" if in_rowid_order else ""
+    reader = src.execute(f'SELECT {listed} FROM "{table}"{order}')
     statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
         sql.Identifier(table), sql.SQL(", ").join(sql.Identifier(n) for n, _ in columns))
     done = 0

@@ -38,6 +38,7 @@ MIGRATIONS: list[tuple[int, Callable[[], str]]] = [
     (10, _script("schema_v10_schedules.sql")),  # schedules' durable state (pause, progress)
     (11, _script("schema_v11_broker_notify.sql")),  # PostgreSQL: NOTIFY of ready broker rows
     (12, _script("schema_v12_node_lock_keys.sql")),  # node lock keys, takeover reports
+    (13, _script("schema_v13_obligations_page_seq.sql")),  # PostgreSQL: deliveries' order
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

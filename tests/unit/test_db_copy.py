@@ -94,6 +94,16 @@ def non_empty_tables(url: str) -> dict[str, int]:
     return {t: n for t, n in counts.items() if n}
 
 
+def insertion_order(target) -> list[str]:
+    """The obligations' ids in the order GET /v1/deliveries pages them."""
+    conn = db.connect(target)
+    try:
+        order = db.dialect(conn).obligation_order
+        return [r[0] for r in conn.execute(f"SELECT id FROM obligations ORDER BY {order}")]
+    finally:
+        conn.close()
+
+
 def disabled_triggers(url: str) -> int:
     conn = db.connect(url)
     try:
@@ -125,6 +135,8 @@ def test_a_copy_holds_every_row_of_every_table_exactly_as_the_source_has_it(
     assert rows(pg_url, "obligations", ["id"]) == rows(data_dir / "ledger.db", "obligations",
                                                        ["id"])
     assert disabled_triggers(pg_url) == 0
+    # Deliveries page in the order they had (SQLite's rowid, PostgreSQL's page_seq).
+    assert insertion_order(pg_url) == insertion_order(data_dir / "ledger.db")
     assert "copied" in out.splitlines()[-1]
 
 
@@ -133,6 +145,7 @@ def test_the_copy_works_as_a_ledger(filled, pg_url):
     report = db_postgresql_copy.copy_ledger(data_dir / "ledger.db", pg_url)
     assert report.ok and report.sequences["runs.seq"] == 12  # two purged runs counted
     assert report.sequences["broker_messages.id"] == 6  # the acknowledged last one too
+    assert report.sequences["obligations.page_seq"] == len(insertion_order(pg_url)) > 0
     conn = db.connect(pg_url)
     try:
         for key_id, secret in made.secrets.items():

@@ -11,9 +11,10 @@ import re
 import pytest
 
 from runstile.errors import LedgerUnavailable
-from runstile.ledger import db, migrations
+from runstile.ledger import db, execution, keys, migrations, obligations, runs
 from runstile.ledger.db_dialect import ConstraintViolation
 from tests import postgres
+from tests.unit import ledger_fill
 
 #: SQLite's declared type -> PostgreSQL's (information_schema.columns.data_type).
 TYPES = {"INTEGER": "bigint", "REAL": "double precision", "TEXT": "text", "BLOB": "bytea"}
@@ -122,6 +123,69 @@ def test_each_sqlite_migration_has_a_postgresql_twin():
     from runstile.ledger import db_postgresql_migrate
     for version, _ in migrations.MIGRATIONS:
         assert db_postgresql_migrate.script(version).strip()
+
+
+def _page_seq_exists(url: str) -> bool:
+    conn = db.connect(url)
+    try:
+        return bool(conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+            "AND table_name = 'obligations' AND column_name = 'page_seq'").fetchone())
+    finally:
+        conn.close()
+
+
+def _ended_with_callbacks(conn, principal, keys_: list[str]) -> list[str]:
+    """Runs (one per idempotency key) ended one after another, each writing its callback
+    obligation; their ids in the order the obligations were written."""
+    ended = []
+    for key in keys_:
+        run_id = ledger_fill.admit(conn, principal, key=key,
+                                   callback="https://hooks.example.com/p")
+        claim = execution.claim(conn, run_id, ledger_fill.OWNER, lease_s=60,
+                                task_known=lambda task: True)
+        assert claim.run, claim.outcome
+        assert execution.finish(conn, run_id, ledger_fill.OWNER, status="completed",
+                                result_json="1")
+        ended.append(run_id)
+    return ended
+
+
+def _every_page(conn, principal, limit: int) -> list[str]:
+    """The run ids of every obligation, newest first, a page of ``limit`` at a time."""
+    seen, before = [], None
+    while True:
+        page, has_more = obligations.list_visible(
+            conn, runs.visible_clause(principal), states=(), before=before, limit=limit)
+        seen += [row["run_id"] for row in page]
+        if not has_more:
+            return seen
+        before = page[-1]["page_seq"]
+
+
+def test_a_ledger_migrated_to_12_gets_page_seq_at_13_in_the_order_its_deliveries_came(
+        pg_url):
+    from runstile.ledger import db_postgresql_migrate
+    db_postgresql_migrate.migrate(pg_url, list(range(1, 13)))
+    assert not _page_seq_exists(pg_url)  # as a database migrated before 13 is
+    conn = db.connect(pg_url)
+    try:
+        principal = keys.Principal("acme", keys.create(conn, "acme")[0], "client")
+        before = _ended_with_callbacks(conn, principal, [f"old-{n}" for n in range(5)])
+        # An update writes a row's new version at the heap's end: a numbering in storage
+        # order (ADD COLUMN ... AS IDENTITY's) would put the oldest obligation last.
+        with db.transaction(conn):
+            conn.execute("UPDATE obligations SET last_error = 'touched' WHERE run_id = ?",
+                         (before[0],))
+        assert migrations.migrate(pg_url) == 12
+        assert migrations.current_version(conn) == migrations.LATEST_VERSION >= 13
+        after = _ended_with_callbacks(conn, principal, ["new-0", "new-1"])  # the identity's
+        assert _every_page(conn, principal, limit=2) == list(reversed(before + after))
+        index = conn.execute("SELECT indexdef FROM pg_indexes WHERE indexname = "
+                             "'obligations_page'").fetchone()
+        assert index is not None and "(page_seq)" in index[0]
+    finally:
+        conn.close()
 
 
 def _migrate_together(url: str, barrier, results) -> None:

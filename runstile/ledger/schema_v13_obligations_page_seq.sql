@@ -1,0 +1,4 @@
+-- Migration 13: nothing to do on SQLite.  Its PostgreSQL twin
+-- (postgresql/0013_obligations_page_seq.sql) adds obligations.page_seq, an identity
+-- column numbering the rows in insertion order, for GET /v1/deliveries to page on;
+-- SQLite's rowid already gives this table that order (dialect.obligation_order).
