@@ -1,7 +1,7 @@
 """A consumer process for test_sqlite_broker_postgresql.py's concurrent-claims test, run as
 a script:
 
-    RUNSTILE_TEST_LEDGER=<ledger> python ledger_broker_consumer.py READY_FILE GO_FILE OUT_FILE
+    CONSUMER_LEDGER=<ledger> python -m tests.workers.ledger_broker_consumer READY GO OUT
 
 It opens a consumer of queue 'default' on the embedded broker (prefetch 5), says so in
 READY_FILE, waits for GO_FILE, then takes and acks messages until the queue has none
@@ -19,7 +19,7 @@ from runstile.workers.sqlite_broker import SQLiteBroker
 
 
 def main(ready_file: str, go_file: str, out_file: str) -> None:
-    broker = SQLiteBroker(os.environ["RUNSTILE_TEST_LEDGER"], consumer_timeout_s=60.0)
+    broker = SQLiteBroker(os.environ["CONSUMER_LEDGER"], consumer_timeout_s=60.0)
     broker.declare_queue("default")
     consumer = broker.consume("default", prefetch=5, timeout=100)
     Path(ready_file).write_text("ready\n")

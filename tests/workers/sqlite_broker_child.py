@@ -1,6 +1,6 @@
 """A consumer process for test_sqlite_broker.py's crash test, run as a script:
 
-    python sqlite_broker_child.py LEDGER STARTED_FILE
+    python -m tests.workers.sqlite_broker_child LEDGER STARTED_FILE
 
 A real ``dramatiq.Worker`` (2 threads) on the embedded broker whose actor records that it
 started, then blocks until the process is killed.

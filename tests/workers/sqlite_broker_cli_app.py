@@ -1,6 +1,6 @@
 """A tiny Dramatiq app for ``dramatiq tests.workers.sqlite_broker_cli_app`` (see
 test_sqlite_broker.py): the global broker is the embedded SQLite broker on the ledger
-named by $RUNSTILE_TEST_LEDGER, and one actor appends its argument to a file.
+named by $CLI_APP_LEDGER, and one actor appends its argument to a file.
 
 Test scaffolding reads the environment here; runstile's own code never does.
 """
@@ -11,7 +11,7 @@ import dramatiq
 
 from runstile.workers.sqlite_broker import SQLiteBroker
 
-broker = SQLiteBroker(os.environ["RUNSTILE_TEST_LEDGER"], consumer_timeout_s=5.0)
+broker = SQLiteBroker(os.environ["CLI_APP_LEDGER"], consumer_timeout_s=5.0)
 dramatiq.set_broker(broker)
 
 

@@ -29,8 +29,6 @@ from runstile.ledger import broker_queue, db
 from runstile.workers.sqlite_broker import UNDECODABLE_ACTOR, SQLiteBroker, enqueue_in
 from tests.conftest import ROOT, wait_until
 
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.fixture
 def ledger(dual_ledger):
@@ -330,7 +328,7 @@ def test_a_killed_consumer_process_gives_its_messages_back_to_another_consumer(
     started_file = tmp_path / "started.txt"
     sent = {broker.enqueue(message("block", i)).message_id for i in range(3)}
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "sqlite_broker_child.py"), str(ledger.target),
+        [sys.executable, "-m", "tests.workers.sqlite_broker_child", str(ledger.target),
          str(started_file)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # Mid-consumption: two bodies are running and the third message is prefetched.
@@ -445,7 +443,7 @@ def test_dramatiqs_own_cli_runs_an_actor_from_this_broker(ledger, tmp_path):
     sender = SQLiteBroker(ledger.target)
     sender.enqueue(Message(queue_name="default", actor_name="append_line",
                            args=(str(out), "hello from the ledger"), kwargs={}, options={}))
-    env = {**os.environ, "RUNSTILE_TEST_LEDGER": str(ledger.target)}
+    env = {**os.environ, "CLI_APP_LEDGER": str(ledger.target)}
     cli = subprocess.Popen(
         [str(Path(sys.executable).parent / "dramatiq"), "--processes", "1", "--threads", "2",
          "tests.workers.sqlite_broker_cli_app"],

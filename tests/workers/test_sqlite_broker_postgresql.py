@@ -234,17 +234,21 @@ def test_two_consumer_processes_on_one_database_never_both_get_one_message(
     sent = [message(n) for n in range(600)]
     insert(pg_ledger, *sent)
     go = tmp_path / "go"
-    env = {**os.environ, "RUNSTILE_TEST_LEDGER": pg_ledger.url}
+    env = {**os.environ, "CONSUMER_LEDGER": pg_ledger.url}
     children = []
     for name in ("one", "two"):
         ready, out = tmp_path / f"{name}.ready", tmp_path / f"{name}.out"
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "ledger_broker_consumer.py"), str(ready), str(go),
+            [sys.executable, "-m", "tests.workers.ledger_broker_consumer", str(ready), str(go),
              str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         children.append((proc, ready, out))
     try:
-        wait_until(lambda: all(ready.exists() for _, ready, _ in children), 60, 0.05,
-                   "both consumers to start")
+        def started() -> bool:
+            for proc, _, _ in children:
+                if proc.poll() is not None:  # died before it was ready: say why
+                    raise AssertionError(proc.stdout.read().decode(errors="replace"))
+            return all(ready.exists() for _, ready, _ in children)
+        wait_until(started, 60, 0.05, "both consumers to start")
         go.write_text("go\n")  # both claim from the same backlog at once
         for proc, _, _ in children:
             assert proc.wait(timeout=120) == 0, proc.stdout.read().decode(errors="replace")
