@@ -48,9 +48,9 @@ run: $(RUN_STAMP)
 test: venv
 	RUNSTILE_TEST_LEDGER=$(LEDGER) $(PY) -m pytest $(PYTEST_ARGS)
 
-## chaos: the long fault-injection and soak runs
+## chaos: the long fault-injection and soak runs (LEDGER=postgresql: on PostgreSQL)
 chaos: venv
-	$(PY) -m pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
+	RUNSTILE_TEST_LEDGER=$(LEDGER) $(PY) -m pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
 
 ## bench: benchmarks, reported as ratios against baselines measured in the same run
 bench: venv
