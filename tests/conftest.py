@@ -31,6 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNSTILE = [sys.executable, "-m", "runstile"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """With the passes split (``RUNSTILE_TEST_LEDGER=sqlite``, as .ci/run does), the tests
+    that need a PostgreSQL server whatever the pass (marked ``postgresql``) are left to the
+    PostgreSQL pass, so each runs once."""
+    if os.environ.get(postgres.LEDGER_VARIABLE) != "sqlite":
+        return
+    later = [item for item in items if item.get_closest_marker("postgresql")]
+    if later:
+        config.hook.pytest_deselected(items=later)
+        items[:] = [item for item in items if not item.get_closest_marker("postgresql")]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

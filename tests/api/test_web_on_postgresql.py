@@ -25,6 +25,9 @@ from runstile.ledger import db, events
 from tests import postgres
 from tests.conftest import ROOT, RUNSTILE, Server, child_pids
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 PASSWORD = "not-a-real-secret-4242"
 
 

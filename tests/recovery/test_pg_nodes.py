@@ -34,6 +34,9 @@ from tests.conftest import (
     wait_until,
 )
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 PASSWORD = "s3cret-of-the-ledger"  # trust auth ignores it; it must show nowhere
 LEASE_S, INTERVAL_S = 30.0, 1.0
 #: The embedded broker's enqueue: a run's message is written in its admission's transaction.

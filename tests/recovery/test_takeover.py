@@ -20,6 +20,9 @@ from tests import postgres
 from tests.conftest import Api, Ledger, Server
 from tests.recovery.test_recovery import crashed_run
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 registry.load(("tests.workers.exec_tasks",))
 
 

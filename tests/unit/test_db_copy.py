@@ -34,6 +34,9 @@ from tests.conftest import bare_ledger, free_port, wait_until
 from tests.unit import ledger_fill
 from tests.unit.ledger_fill import OWNER
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 PASSWORD = "s3cret-Pa55"  # the test server trusts every local user: any password does
 
 

@@ -658,6 +658,7 @@ class PostgresLedgerMachine(LedgerMachine):
     ``database_url`` stays None)."""
 
 
+@pytest.mark.postgresql
 def test_the_same_sequences_keep_the_invariants_of_a_postgresql_ledger():
     """The machine above on PostgreSQL: fewer examples, as each costs about a second
     there, and no shrinking, which replays hundreds of them (past the test's timeout): a

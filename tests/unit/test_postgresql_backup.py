@@ -21,6 +21,9 @@ from tests.conftest import free_port
 from tests.unit import ledger_fill
 from tests.unit.test_db_copy import PASSWORD, rows, run, tables_and_columns, with_password
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 #: The client programs of the test server's major version (Debian's wrapper picks them).
 PG_DUMP = shutil.which("pg_dump") or "/usr/bin/pg_dump"
 PG_RESTORE = shutil.which("pg_restore") or "/usr/bin/pg_restore"

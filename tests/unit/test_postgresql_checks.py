@@ -22,6 +22,9 @@ from runstile.ledger import db_postgresql_checks, migrations
 from tests import postgres
 from tests.conftest import ROOT, RUNSTILE, free_port, wait_until
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 SECRET = "hunter2-not-a-password"
 
 

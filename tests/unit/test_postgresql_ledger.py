@@ -16,6 +16,9 @@ from runstile.ledger.db_dialect import ConstraintViolation
 from tests import postgres
 from tests.unit import ledger_fill
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 #: SQLite's declared type -> PostgreSQL's (information_schema.columns.data_type).
 TYPES = {"INTEGER": "bigint", "REAL": "double precision", "TEXT": "text", "BLOB": "bytea"}
 #: Triggers only PostgreSQL has: dispatches.id one above the largest, as SQLite's

@@ -34,6 +34,9 @@ from runstile.workers.sqlite_broker import SQLiteBroker, enqueue_in
 from tests import postgres
 from tests.conftest import ROOT, Ledger, wait_until
 
+#: Runs once, on the PostgreSQL pass (tests/postgres.py).
+pytestmark = pytest.mark.postgresql
+
 HERE = Path(__file__).resolve().parent
 #: One runstile worker process (workers/process.py) as `runstile worker` starts it.
 WORKER = "from runstile.config import Settings; from runstile.workers import process; " \
