@@ -20,7 +20,7 @@ from tests.chaos.harness import Clients, History, scaled, write_table
 from tests.chaos.test_chaos import CHAOS_TASKS, ENV, settle_and_check
 from tests.conftest import Ledger, System, Workers
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.chaos, pytest.mark.postgresql, pytest.mark.timeout(900)]
 
 LEASE_S = float(ENV["RUNSTILE_LEASE_S"])
 INTERVAL_S = float(ENV["RUNSTILE_RECOVERY_INTERVAL_S"])

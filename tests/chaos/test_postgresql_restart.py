@@ -19,7 +19,7 @@ from tests.chaos.harness import Clients, History, scaled, write_table
 from tests.chaos.test_chaos import CHAOS_TASKS, ENV, body_for, settle_and_check
 from tests.conftest import Ledger, System, free_port, wait_until
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.chaos, pytest.mark.postgresql, pytest.mark.timeout(900)]
 TABLE: list[tuple] = []
 
 
