@@ -20,6 +20,12 @@ On PostgreSQL the hot path -- :func:`claim`, :func:`ack`, :func:`dead_letter` --
 outside the ledger-wide writer lock (``db.row_transaction``), guarded by row locks
 alone; why that is safe is argued at :func:`claim` and in docs/architecture.md, "The
 embedded broker".  Every other write here keeps the writer lock.
+
+The same three commit without waiting for the disk (``durable=False``): each only moves
+a message that runstile's claim makes harmless to deliver twice, so a power cut that
+loses one of them costs a redelivery, never a run (docs/guarantees.md, "Commits per
+run").  A run's message is usually not acked by :func:`ack` at all but by the run's
+claim, in its transaction (:func:`ack_in`).
 """
 
 from __future__ import annotations
@@ -197,7 +203,7 @@ def claim(conn: sqlite3.Connection, queue_name: str, consumer_id: str,
     # consumer still holding the row, and each locks that one row only.  No writer
     # relies on broker rows staying put for the length of its transaction: recovery's
     # one read of them (ledger/recovery.py stranded_queued) is a single statement.
-    with db.row_transaction(conn):
+    with db.row_transaction(conn, durable=False):
         rows = conn.execute(
             f"UPDATE broker_messages SET state = '{CLAIMED}', claimed_by = ?, "
             f"claimed_at = {NOW} WHERE state = '{READY}' AND id IN (SELECT id FROM "
@@ -217,16 +223,23 @@ def ack(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
     the DELETE itself; a reap or release that got there first leaves a row this
     consumer no longer holds, which READ COMMITTED re-reads after the wait, so the
     DELETE finds nothing and the ack reports False, as it would after them on SQLite."""
-    with db.row_transaction(conn):
-        return conn.execute(
-            f"DELETE FROM broker_messages WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
-            (delivery_id, consumer_id)).rowcount > 0
+    with db.row_transaction(conn, durable=False):
+        return ack_in(conn, delivery_id, consumer_id)
+
+
+def ack_in(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
+    """:func:`ack` inside the caller's transaction: the run's claim acks the message that
+    brought it in its own transaction (ledger/execution.py), so a run costs no commit of
+    its own for the ack.  True if the row was still this consumer's."""
+    return conn.execute(
+        f"DELETE FROM broker_messages WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
+        (delivery_id, consumer_id)).rowcount > 0
 
 
 def dead_letter(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:
     """Move a rejected row to the dead letters, only if this consumer still holds it.
-    Outside the writer lock on PostgreSQL, as :func:`ack` is."""
-    with db.row_transaction(conn):
+    Outside the writer lock on PostgreSQL, and not durable, as :func:`ack` is."""
+    with db.row_transaction(conn, durable=False):
         return conn.execute(
             f"UPDATE broker_messages SET state = '{DEAD}', claimed_by = NULL, "
             f"claimed_at = NULL, dead_at = {NOW} "

@@ -134,6 +134,7 @@ def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int
             conn = sqlite3.connect(str(path), isolation_level=None, factory=LedgerConnection,
                                    timeout=busy_timeout_ms / 1000, check_same_thread=False)
         conn.owed = Owed()
+        conn.synchronous = synchronous.upper()
         conn.writer_path = str(Path(path).resolve())
         conn.busy_timeout_s = busy_timeout_ms / 1000
         conn.row_factory = sqlite3.Row
@@ -182,6 +183,9 @@ class LedgerConnection(sqlite3.Connection):
 
     writer_path: str = ""
     busy_timeout_s: float = 5.0
+    #: This connection's ``PRAGMA synchronous`` (a transaction that need not be durable
+    #: lowers it for its own commit, then puts it back).
+    synchronous: str = "FULL"
     #: Written down by the transaction in progress; emptied at every BEGIN.
     owed: Owed
     #: Called after a COMMIT that owes something; None: the debt is dropped (recovery
@@ -194,11 +198,25 @@ class LedgerConnection(sqlite3.Connection):
     dialect: SqliteDialect = SQLITE
 
     @contextlib.contextmanager
-    def writing(self, rows_only: bool = False) -> Iterator[None]:
+    def writing(self, rows_only: bool = False, durable: bool = True) -> Iterator[None]:
         """One write transaction: the writer gate, then BEGIN IMMEDIATE ... COMMIT (SQLite
-        locks the file however few rows a transaction writes: ``rows_only`` changes nothing)."""
-        with writer_gate(self.writer_path).held(self.busy_timeout_s), _immediate(self):
-            yield
+        locks the file however few rows a transaction writes: ``rows_only`` changes nothing).
+        Not ``durable``: its COMMIT does not fsync (see :func:`transaction`)."""
+        with writer_gate(self.writer_path).held(self.busy_timeout_s):
+            if durable or self.synchronous not in ("FULL", "EXTRA"):
+                with _immediate(self):
+                    yield
+                return
+            # synchronous is read at COMMIT and cannot change inside a transaction: set
+            # around it.  Under the writer gate, so no other commit of ours runs between.
+            with ledger_errors():
+                self.execute("PRAGMA synchronous = NORMAL")
+            try:
+                with _immediate(self):
+                    yield
+            finally:
+                with ledger_errors():
+                    self.execute(f"PRAGMA synchronous = {self.synchronous}")
 
     def time_limit(self, seconds: float,
                    timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
@@ -222,17 +240,26 @@ def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:
 
 
 def row_transaction(
-        conn: sqlite3.Connection) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        conn: sqlite3.Connection, *,
+        durable: bool = True) -> contextlib.AbstractContextManager[sqlite3.Connection]:
     """:func:`transaction` for guarded writes of a few rows that row locks alone protect:
     SQLite's (file-wide) lock as usual; PostgreSQL's BEGIN without the writer lock.  Only
     for the embedded broker's claim and acks (docs/architecture.md, "The embedded broker")."""
-    return transaction(conn, rows_only=True)
+    return transaction(conn, rows_only=True, durable=durable)
 
 
 @contextlib.contextmanager
-def transaction(conn: sqlite3.Connection, *,
-                rows_only: bool = False) -> Iterator[sqlite3.Connection]:
+def transaction(conn: sqlite3.Connection, *, rows_only: bool = False,
+                durable: bool = True) -> Iterator[sqlite3.Connection]:
     """One write transaction: commit, or roll back and re-raise.  Nested calls use savepoints.
+
+    ``durable=False`` is for bookkeeping whose loss in a power cut is harmless: its COMMIT
+    does not wait for the disk (SQLite: ``synchronous=NORMAL`` for that commit; PostgreSQL:
+    ``synchronous_commit = off``).  It is still atomic, and ordered before every later
+    commit: the first durable commit after it makes it durable too (the WAL is one log,
+    synced as a prefix).  A crash of the process alone loses nothing; a power cut may
+    lose it, never a durable commit that followed it.  Nested calls keep the outer
+    transaction's durability.
 
     Rolls back on BaseException too: an asynchronous exception (a time limit, SIGTERM
     turned into SystemExit) can land between BEGIN and COMMIT.
@@ -255,7 +282,7 @@ def transaction(conn: sqlite3.Connection, *,
     try:
         # SQLite: the writer gate, then BEGIN IMMEDIATE; PostgreSQL: BEGIN, then the
         # ledger's advisory writer lock (docs/architecture.md, "Two dialects, one ledger").
-        with ledger_conn.writing(rows_only=rows_only):
+        with ledger_conn.writing(rows_only=rows_only, durable=durable):
             yield conn
     except BaseException:
         ledger_conn.owed.take()  # rolled back: nothing of it is owed

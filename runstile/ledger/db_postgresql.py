@@ -211,13 +211,16 @@ class PgConnection:
                 self._raw.execute("ROLLBACK")
 
     @contextlib.contextmanager
-    def writing(self, rows_only: bool = False) -> Iterator[None]:
+    def writing(self, rows_only: bool = False, durable: bool = True) -> Iterator[None]:
         """BEGIN + the ledger's writer lock ... COMMIT (or ROLLBACK and re-raise).
-        ``rows_only``: no writer lock, the rows' own locks guard the writes (db.row_transaction)."""
+        ``rows_only``: no writer lock, the rows' own locks guard the writes (db.row_transaction).
+        Not ``durable``: the COMMIT does not wait for the WAL flush (db.transaction)."""
         self._traced("BEGIN", None)
         with _classified():
             self._raw.execute("BEGIN")
             try:
+                if not durable:
+                    self._raw.execute("SET LOCAL synchronous_commit = off")
                 if not rows_only:
                     self._raw.execute("SELECT pg_advisory_xact_lock(%s)", (WRITER_LOCK,))
             except BaseException:

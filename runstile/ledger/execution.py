@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import db, events, sessions, slots
+from . import broker_queue, db, events, sessions, slots
 from .db import NOW
 from .runs import SLOT_MARKS, Enqueue, add_dispatch, due
 
@@ -42,6 +42,15 @@ def _owner_args(owner: Owner) -> tuple[str, int, int, int]:
 
 
 @dataclass(frozen=True)
+class Delivery:
+    """The embedded broker's row that brought a run's message to this worker: its
+    delivery id and the consumer holding it (workers/sqlite_broker/consumer.py)."""
+
+    delivery_id: int
+    consumer_id: str
+
+
+@dataclass(frozen=True)
 class Claim:
     """The outcome of a claim: ``run`` is set when this worker won and may start the body."""
 
@@ -54,27 +63,45 @@ class Claim:
 def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
           task_known: Callable[[str], bool], enqueue: Enqueue | None = None,
           max_running_per_profile: int | None = None,
-          task_limit: Callable[[str], int | None] | None = None) -> Claim:
+          task_limit: Callable[[str], int | None] | None = None,
+          delivery: Delivery | None = None) -> Claim:
     """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
 
     ``task_known`` and ``task_limit`` (a task's concurrency, None: unlimited) are what
     the claiming worker's registry says; ``max_running_per_profile`` is its setting.
+    ``delivery``: the embedded broker's row of the message being processed, acked in
+    this same transaction whatever the claim decides -- once it has decided, the message
+    has done its work: a claimed run is recovery's from here (its lease), a refused one
+    was a no-op or has been handed a message of its own.  Rolled back with the claim, so
+    a claim that fails leaves the message held, as before.
 
     Race: two workers holding duplicate messages both get here; the write lock orders
     them and the loser's UPDATE finds status != 'queued' and changes nothing.
     """
     with db.transaction(conn):
-        row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
-        if row is None:
-            return Claim(None, "missing")
-        if row["status"] != "queued":
-            return Claim(None, "not_queued")
-        limits = slots.Limits(max_running_per_profile, {} if task_limit is None else
-                              {row["task"]: task_limit(row["task"])})
-        refusal = _refusal(conn, dict(row), task_known, limits, enqueue)
-        if refusal is not None:
-            return Claim(None, refusal)
-        return _start(conn, run_id, owner, lease_s)
+        if delivery is not None:
+            broker_queue.ack_in(conn, delivery.delivery_id, delivery.consumer_id)
+        return _decide(conn, run_id, owner, lease_s=lease_s, task_known=task_known,
+                       enqueue=enqueue, max_running_per_profile=max_running_per_profile,
+                       task_limit=task_limit)
+
+
+def _decide(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
+            task_known: Callable[[str], bool], enqueue: Enqueue | None,
+            max_running_per_profile: int | None,
+            task_limit: Callable[[str], int | None] | None) -> Claim:
+    """The claim's decision, inside its transaction."""
+    row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if row is None:
+        return Claim(None, "missing")
+    if row["status"] != "queued":
+        return Claim(None, "not_queued")
+    limits = slots.Limits(max_running_per_profile, {} if task_limit is None else
+                          {row["task"]: task_limit(row["task"])})
+    refusal = _refusal(conn, dict(row), task_known, limits, enqueue)
+    if refusal is not None:
+        return Claim(None, refusal)
+    return _start(conn, run_id, owner, lease_s)
 
 
 def _refusal(conn: sqlite3.Connection, row: dict[str, Any], task_known: Callable[[str], bool],

@@ -39,6 +39,7 @@ from .context import (
     encode_json,
 )
 from .lease import Executions
+from .sqlite_broker import current_delivery
 
 log = logging.getLogger("runstile.workers")
 
@@ -76,13 +77,19 @@ class Executor:
     def _execute(self, run_id: str, dispatch_id: int | None, queue: str) -> None:
         owner = self.owner()
         conn = self.pool.get()
+        # On the embedded broker the claim also acks this message, in its transaction:
+        # a run costs two durable commits, its claim and its finish (docs/guarantees.md,
+        # "Commits per run").
+        message = current_delivery()
         try:
             claim = execution.claim(
                 conn, run_id, owner, lease_s=self.settings.lease_s,
                 enqueue=self.dispatcher.enqueue,
                 task_known=lambda name: registry.get(name) is not None,
                 task_limit=registry.concurrency_of,
-                max_running_per_profile=self.settings.max_running_per_profile)
+                max_running_per_profile=self.settings.max_running_per_profile,
+                delivery=None if message is None else execution.Delivery(
+                    message.delivery_id, message.consumer_id))
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.
             log.warning("run %s: claim failed (%s); retrying in %d ms", run_id, exc.message,
@@ -91,6 +98,8 @@ class Executor:
             self.broker.enqueue(dispatch.message_for(run_id, dispatch_id, queue=queue),
                                 delay=CLAIM_RETRY_DELAY_MS)
             return
+        if message is not None:
+            message.settled = True
         crashpoints.hit(self.settings, "after_claim")
         if claim.run is None:
             metrics.claim_lost(claim.outcome)

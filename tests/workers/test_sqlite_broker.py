@@ -23,7 +23,7 @@ import dramatiq
 import pytest
 from dramatiq import Message
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
-from dramatiq.middleware import AsyncIO, Middleware
+from dramatiq.middleware import AsyncIO, CurrentMessage, Middleware
 
 from runstile.ledger import broker_queue, db
 from runstile.workers.sqlite_broker import UNDECODABLE_ACTOR, SQLiteBroker, enqueue_in
@@ -119,9 +119,13 @@ def test_declaring_a_queue_emits_the_queue_and_the_delay_queue_signal_once(ledge
         broker.consume("never_declared")
 
 
-def test_the_broker_runs_only_the_middleware_it_is_given(ledger):
-    assert [type(m) for m in SQLiteBroker(ledger.target).middleware] == [AsyncIO]
-    assert SQLiteBroker(ledger.target, middleware=[]).middleware == []
+def test_the_broker_runs_only_the_middleware_it_is_given_plus_current_message(ledger):
+    # CurrentMessage tells a run's claim which message to ack in its transaction.
+    assert [type(m) for m in SQLiteBroker(ledger.target).middleware] == [AsyncIO, CurrentMessage]
+    assert [type(m) for m in SQLiteBroker(ledger.target, middleware=[]).middleware] == [
+        CurrentMessage]
+    given = CurrentMessage()
+    assert SQLiteBroker(ledger.target, middleware=[given]).middleware == [given]
 
 
 # -- enqueue, consume, ack, nack --------------------------------------------------------

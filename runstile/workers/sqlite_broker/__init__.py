@@ -16,7 +16,8 @@ it keeps:
   dead letters; what a ``fork()`` leaves to the child.
 * :mod:`.consumer` -- the consumer a worker's consumer thread iterates: ``__next__``
   returns ``None`` after its timeout, ``ack``/``nack`` come from worker threads, the
-  prefetch window, giving rows back on close.
+  prefetch window, giving rows back on close; :func:`current_delivery`, the message a
+  worker thread is running, whose row a run's claim acks in its own transaction.
 * :mod:`.watcher` -- one thread per broker and process: heartbeats its consumers (a claim
   lasts as long as its consumer lives), releases the rows of dead consumers in any
   process, and wakes idle consumers when another connection commits; :mod:`.wakeup`
@@ -42,6 +43,7 @@ from .broker import (
                      delayed,
                      enqueue_in,
 )
+from .consumer import current_delivery
 
 __all__ = ["DEFAULT_CONSUMER_TIMEOUT_S", "DEFAULT_FALLBACK_POLL_S", "DEFAULT_POLL_INTERVAL_S", "MAX_HEARTBEAT_INTERVAL_S",
-           "UNDECODABLE_ACTOR", "SQLiteBroker", "default_middleware", "delayed", "enqueue_in"]
+           "UNDECODABLE_ACTOR", "SQLiteBroker", "current_delivery", "default_middleware", "delayed", "enqueue_in"]

@@ -26,7 +26,7 @@ from dramatiq.broker import Broker
 from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.errors import DecodeError, QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import CurrentMessage, Middleware
 
 from ...errors import RunstileError
 from ...ledger import broker_queue, db
@@ -107,6 +107,8 @@ class SQLiteBroker(Broker):
         is the same on both engines).
       synchronous, busy_timeout_ms: settings for every connection it opens.
       middleware: the complete middleware list; :func:`default_middleware` when None.
+        Dramatiq's CurrentMessage is added when it is not in it (see
+        :func:`.consumer.current_delivery`).
       consumer_timeout_s: a consumer silent this long is dead; its rows go back to ready.
       heartbeat_interval_s: seconds between heartbeats (default: a third of the timeout,
         at most 5 s).
@@ -126,6 +128,10 @@ class SQLiteBroker(Broker):
                  fallback_poll_s: float = DEFAULT_FALLBACK_POLL_S) -> None:
         super().__init__(middleware=default_middleware() if middleware is None
                          else list(middleware))
+        if not any(isinstance(m, CurrentMessage) for m in self.middleware):
+            # A run's claim acks the message it came with in its own transaction
+            # (consumer.current_delivery): the actor must know which message it is running.
+            self.add_middleware(CurrentMessage())
         if not consumer_timeout_s > 0 or not poll_interval_s > 0 or not fallback_poll_s > 0:
             raise ValueError("consumer_timeout_s, poll_interval_s and fallback_poll_s "
                              "must be > 0")

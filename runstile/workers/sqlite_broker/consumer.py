@@ -16,6 +16,9 @@ The part of the Dramatiq contract kept here:
 * A claim lasts as long as its consumer lives (the watcher heartbeats it); ``close``
   gives its rows back at once, and an ack or nack only touches a row this consumer still
   holds, so a late ack from a consumer that lost its rows changes nothing.
+* A run's message is acked by the run's claim, in the claim's transaction
+  (:func:`current_delivery`, ledger/execution.py ``claim``); the ack Dramatiq sends
+  afterwards then only frees the prefetch slot.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
+from dramatiq.middleware import CurrentMessage
 
 from ...errors import RunstileError
 from ...ledger import broker_queue
@@ -49,6 +53,16 @@ class SQLiteMessageProxy(MessageProxy):
         self.delivery_id = delivery_id
         self.consumer_id = consumer.consumer_id
         self._owner = consumer
+        #: Set once the row is gone from the ledger by a transaction of the actor's own
+        #: (the run's claim acked it): Dramatiq's ack or nack then writes nothing.
+        self.settled = False
+
+
+def current_delivery() -> SQLiteMessageProxy | None:
+    """The embedded broker's message the calling worker thread is processing; None on
+    another broker, or outside an actor (the broker's CurrentMessage middleware)."""
+    message = CurrentMessage.get_current_message()
+    return message if isinstance(message, SQLiteMessageProxy) else None
 
 
 class SQLiteConsumer(Consumer):
@@ -144,6 +158,9 @@ class SQLiteConsumer(Consumer):
     def ack(self, message: MessageProxy) -> None:
         """Delete the message's row, only if its consumer still holds it."""
         message = cast(SQLiteMessageProxy, message)
+        if message.settled:
+            message._owner._forget([message.delivery_id])
+            return
         if not message._owner._settle(message.delivery_id, broker_queue.ack):
             self.logger.warning(
                 "Message %s (delivery %d) was no longer held by its consumer when acked; "
@@ -152,6 +169,10 @@ class SQLiteConsumer(Consumer):
     def nack(self, message: MessageProxy) -> None:
         """Dead-letter the message's row, only if its consumer still holds it."""
         message = cast(SQLiteMessageProxy, message)
+        if message.settled:
+            # Acked by the run's claim: the run is the ledger's now, not a dead letter.
+            message._owner._forget([message.delivery_id])
+            return
         if not message._owner._settle(message.delivery_id, broker_queue.dead_letter):
             self.logger.warning(
                 "Message %s (delivery %d) was no longer held by its consumer when nacked.",
