@@ -17,15 +17,19 @@ CALLBACK_EVENTS = frozenset({"run.completed", "run.failed", "run.cancelled",
                              "run.interrupted", "run.paused", "approval.requested"})
 
 
-def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = None) -> int:
+def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = None, *,
+           run: dict[str, Any] | None = None) -> int:
     """Append one event inside the caller's transaction; return its seq.
 
     No race on seq: callers hold the write lock (BEGIN IMMEDIATE), and the primary key
     (run_id, seq) would reject a duplicate on a database without one.  An event the
     trigger may turn into an obligation makes the commit owe a deliverer message
-    (ledger/owed.py): every transition that ends or parks a run passes here.
+    (ledger/owed.py): every transition that ends or parks a run passes here.  ``run``:
+    the run's row as this transaction wrote it, when the caller has it; a run without a
+    ``callback_url`` gets no obligation from the trigger, so its commit owes nothing
+    (and its settlement looks nothing up).
     """
-    if type_ in CALLBACK_EVENTS:
+    if type_ in CALLBACK_EVENTS and (run is None or run.get("callback_url") is not None):
         db.owe_deliveries(conn, run_id)
     row = conn.execute(
         "INSERT INTO events (run_id, seq, type, data, created_at) "

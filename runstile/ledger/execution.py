@@ -220,10 +220,11 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
             data["reason"] = "stopped"
         elif error_code is not None:
             data["error"] = {"code": error_code, "message": error_message}
-        events.append(conn, run_id, f"run.{run['status']}", data)
-        sessions.dispatch_next(conn, dict(run), enqueue)
-        slots.dispatch_next(conn, dict(run), enqueue)
-        return dict(run)
+        run = dict(run)
+        events.append(conn, run_id, f"run.{run['status']}", data, run=run)
+        sessions.dispatch_next(conn, run, enqueue)
+        slots.dispatch_next(conn, run, enqueue)
+        return run
 
 
 def stop(conn: sqlite3.Connection, run_id: str,

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.common import dq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
@@ -73,6 +74,11 @@ class SQLiteConsumer(Consumer):
         self.broker = broker
         self.queue_name = queue_name
         self.prefetch = max(1, int(prefetch))
+        #: Rows a consumer that still holds some waits to have room for before it claims
+        #: again: a freed slot then costs a claim transaction only every few runs.  Not on
+        #: a delay queue, whose held rows wait for their eta and may hold half the window
+        #: for long: a message due sooner must not wait behind them.
+        self.refill = 1 if queue_name == dq_name(queue_name) else max(1, self.prefetch // 2)
         self.timeout_ms = int(timeout)
         self.consumer_id = uuid.uuid4().hex
         self.info = broker_queue.ConsumerInfo(
@@ -123,11 +129,33 @@ class SQLiteConsumer(Consumer):
                 deadline = time.monotonic() + due
                 remaining = due
             # Woken by a commit that left a message on this queue, a local ack or close.
+            # With room to claim, this consumer needs the watcher awake (Watcher.need);
+            # without, the slot that frees sets its event itself.
+            with self._held_lock:
+                room = self._room()
+            if room > 0:
+                self._watcher.need()
             self.woken.wait(remaining)
+
+    def wants_wakeup(self) -> bool:
+        """Whether a commit elsewhere could make this consumer claim now.  False while
+        its event is already set (it looks again anyway) and while its prefetch window
+        is too full to claim (the slot that frees sets its event): the watcher then
+        skips it, and reads nothing when no consumer of its process wants a wake-up."""
+        if self.woken.is_set() or self._closed:
+            return False
+        with self._held_lock:
+            return self._room() > 0
+
+    def _room(self) -> int:
+        """Rows to claim at the next look (under _held_lock): the free part of the
+        prefetch window, or 0 while it holds rows and has less than ``refill`` free."""
+        room = self.prefetch - len(self._held)
+        return room if room >= self.refill or not self._held else 0
 
     def _fetch(self) -> None:
         with self._held_lock:
-            room = self.prefetch - len(self._held)
+            room = self._room()
         if room <= 0:
             return
         conn = self.broker.pool.get()

@@ -36,6 +36,11 @@ from ...errors import RunstileError
 from ...ledger import broker_queue, db
 from .wakeup import CommitSignal, open_signal
 
+#: Shortest pause between two looks at the commits: a look right after a quiet spell is
+#: immediate, while a stream of commits (thousands a second under load, most of them
+#: other processes' runs) is seen a few at a time instead of one look each.
+MIN_LOOK_INTERVAL_S = 0.002
+
 if TYPE_CHECKING:
     from .broker import SQLiteBroker
     from .consumer import SQLiteConsumer
@@ -67,6 +72,10 @@ class Watcher:
         os.set_blocking(self._wake_w, False)
         #: "inotify", "poll" or "listen" once the thread has started (tests, reports).
         self.mode: str | None = None
+        #: True while no consumer of this process wants a wake-up (every one is busy or
+        #: already woken): the thread then watches no commit at all, only its pipe and
+        #: the heartbeat's clock.  Read and written under ``cond`` (see :meth:`need`).
+        self.dormant = False
         #: Wake-ups that found work for a consumer, by reason: "commit" (SQLite),
         #: "notify" or "fallback" (PostgreSQL).  Only this thread writes it.
         self.wakeups: collections.Counter[str] = collections.Counter()
@@ -100,6 +109,28 @@ class Watcher:
         for consumer in woken:
             consumer.woken.set()
 
+    def need(self) -> None:
+        """A consumer with room is about to wait: make sure commits are watched.
+
+        Why no commit is missed across a dormant spell: the thread decides to go
+        dormant under ``cond`` after reading every consumer's event, and a consumer calls
+        this under ``cond`` after clearing its event and looking; so either the thread
+        saw the event clear (and stayed awake), or this sees it dormant and wakes it.
+        Awake again, the thread's commit signal still holds what came meanwhile (the
+        inotify events, the notifications, a data_version that moved), so its first
+        look covers them."""
+        with self.cond:
+            if self.dormant:
+                self.dormant = False
+                self._interrupt()
+
+    def _wanted(self) -> bool:
+        """Whether any consumer wants a wake-up; if none does, the thread is dormant."""
+        with self.cond:
+            wanted = any(c.wants_wakeup() for c in self.consumers.values())
+            self.dormant = not wanted
+            return wanted
+
     def _wake_ready(self, conn: sqlite3.Connection, reason: str,
                     queues: set[str] | None) -> None:
         """Wake the consumers of ``queues`` (None: of those queues that have a message).
@@ -110,7 +141,11 @@ class Watcher:
         (PostgreSQL, at COMMIT), which this thread sees afterwards and answers by
         setting the event -- on SQLite after this read, which shows the message."""
         with self.cond:
-            names = {c.queue_name for c in self.consumers.values()}
+            # Busy consumers are skipped (SQLiteConsumer.wants_wakeup): under load most
+            # are, and this thread then reads nothing at all for the commit.
+            names = {c.queue_name for c in self.consumers.values() if c.wants_wakeup()}
+        if not names:
+            return
         ready = names & queues if queues is not None else broker_queue.ready_among(conn, names)
         if ready:
             self.wakeups[reason] += 1
@@ -189,12 +224,24 @@ class Watcher:
         now = time.monotonic()
         if loop.beat_due(now):
             self._beat(beat_conn)
-        waits, timeout = signal.waits(now, loop.next_beat)
+        # Under load every consumer is busy, and watching each commit of every process
+        # would cost this thread more than the runs' own work: dormant, it waits for a
+        # consumer's need() (its pipe) or the next heartbeat only.
+        wanted = self._wanted()
+        waits, timeout = (signal.waits(now, loop.next_beat) if wanted
+                          else ([], max(0.0, loop.next_beat - now)))
         ready, _, _ = select.select([self._wake_r, *waits], [], [], timeout)
         if self._wake_r in ready:
             _drain_pipe(self._wake_r)
-        for reason, queues in signal.observe(time.monotonic()):
-            self._wake_ready(signal.conn, reason, queues)
+        if wanted:
+            # A commit seen this soon after the last look waits out the interval (a
+            # close or stop still ends the pause at once), then one look covers all.
+            pause = loop.last_look + MIN_LOOK_INTERVAL_S - time.monotonic()
+            if pause > 0 and select.select([self._wake_r], [], [], pause)[0]:
+                _drain_pipe(self._wake_r)
+            loop.last_look = time.monotonic()
+            for reason, queues in signal.observe(loop.last_look):
+                self._wake_ready(signal.conn, reason, queues)
 
     def _beat(self, conn: sqlite3.Connection) -> None:
         # Under beat_lock: a consumer's close takes it too, so a heartbeat already under
@@ -222,6 +269,8 @@ class _Loop:
         # (otherwise each heartbeat would look like a commit that never arrives).
         self.beat_conn: sqlite3.Connection | None = None
         self.next_beat = 0.0
+        #: When the commits were last looked at (MIN_LOOK_INTERVAL_S).
+        self.last_look = 0.0
 
     def open(self) -> str:
         """Open the commit signal and the heartbeat connection; returns the wake-up mode."""
