@@ -18,7 +18,7 @@ import pytest
 
 from runstile.ledger import admission
 from runstile.ledger.keys import Principal
-from tests.conftest import RUNSTILE, ROOT, STARTED, kill_group, wait_until
+from tests.conftest import ROOT, RUNSTILE, STARTED, kill_group, wait_until
 
 #: Runs measured: enough that a commit of one more per run would show many times over
 #: the few periodic commits (heartbeats) that land during the count.

@@ -64,6 +64,15 @@ def default_middleware() -> list[Middleware]:
     return [dramatiq.middleware.AsyncIO()]
 
 
+def _with_current_message(middleware: list[Middleware]) -> list[Middleware]:
+    """``middleware`` with Dramatiq's CurrentMessage at the end if it lacks one: a run's
+    claim acks the message it came with in its own transaction
+    (:func:`.consumer.current_delivery`), so the actor must know which message it runs."""
+    if any(isinstance(m, CurrentMessage) for m in middleware):
+        return middleware
+    return [*middleware, CurrentMessage()]
+
+
 def delayed(message: Message, delay: int | None) -> tuple[Message, float | None]:
     """Dramatiq's delay convention: a delayed message moves to ``<queue>.DQ`` with an
     ``eta`` option (Unix ms).  Returns the message to store and its eta in Unix seconds."""
@@ -126,12 +135,8 @@ class SQLiteBroker(Broker):
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
                  wal_notify: bool = True,
                  fallback_poll_s: float = DEFAULT_FALLBACK_POLL_S) -> None:
-        super().__init__(middleware=default_middleware() if middleware is None
-                         else list(middleware))
-        if not any(isinstance(m, CurrentMessage) for m in self.middleware):
-            # A run's claim acks the message it came with in its own transaction
-            # (consumer.current_delivery): the actor must know which message it is running.
-            self.add_middleware(CurrentMessage())
+        super().__init__(middleware=_with_current_message(
+            default_middleware() if middleware is None else list(middleware)))
         if not consumer_timeout_s > 0 or not poll_interval_s > 0 or not fallback_poll_s > 0:
             raise ValueError("consumer_timeout_s, poll_interval_s and fallback_poll_s "
                              "must be > 0")
