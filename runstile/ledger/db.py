@@ -357,10 +357,16 @@ class ConnectionPool:
             self._inherited.append(conn)
             conn = None
         if conn is None:
-            conn = connect(self.path, synchronous=self.synchronous,
-                           busy_timeout_ms=self.busy_timeout_ms)
-            cast(LedgerConnection, conn).after_commit = self.after_commit
+            conn = self.open()
             self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    def open(self) -> sqlite3.Connection:
+        """A new connection set up as the pool's are, owned by the caller (a thread of
+        its own, such as a group committer's), not kept by the pool."""
+        conn = connect(self.path, synchronous=self.synchronous,
+                       busy_timeout_ms=self.busy_timeout_ms)
+        cast(LedgerConnection, conn).after_commit = self.after_commit
         return conn
 
     def discard(self) -> None:

@@ -25,6 +25,7 @@ from ..jsondepth import MAX_DEPTH
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
+from ..ledger.group_commit import GroupCommitter
 from ..queues import DEFAULT_QUEUE
 from . import metrics
 from .context import (
@@ -55,6 +56,12 @@ class Executor:
     What a transition owes after its commit (a freed session's next run, a freed profile
     slot's waiter, a callback) is paid by the dispatcher its pool's connections settle
     with (docs/architecture.md, "What a commit owes"): nothing here remembers it.
+
+    A run's claim and its finish go through one committer per process
+    (ledger/group_commit.py): the claims and finishes its threads have ready at one
+    moment commit in one transaction, each in a savepoint of its own, instead of
+    queueing one by one for the ledger's write lock.  A thread learns its claim's
+    outcome only after that COMMIT, so a body still starts only on a durable claim.
     """
 
     def __init__(self, settings: Settings, broker: dramatiq.Broker, *, node: str,
@@ -64,6 +71,7 @@ class Executor:
         self.node, self.generation = node, generation
         self.executions, self.pool = executions, pool
         self.dispatcher = dispatcher
+        self.committer = GroupCommitter(pool.open)
 
     def owner(self) -> Owner:
         return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
@@ -81,15 +89,16 @@ class Executor:
         # a run costs two durable commits, its claim and its finish (docs/guarantees.md,
         # "Commits per run").
         message = current_delivery()
+        delivery = None if message is None else execution.Delivery(message.delivery_id,
+                                                                   message.consumer_id)
         try:
-            claim = execution.claim(
-                conn, run_id, owner, lease_s=self.settings.lease_s,
+            claim: execution.Claim = self.committer.run(lambda batch: execution.claim(
+                batch, run_id, owner, lease_s=self.settings.lease_s,
                 enqueue=self.dispatcher.enqueue,
                 task_known=lambda name: registry.get(name) is not None,
                 task_limit=registry.concurrency_of,
                 max_running_per_profile=self.settings.max_running_per_profile,
-                delivery=None if message is None else execution.Delivery(
-                    message.delivery_id, message.consumer_id))
+                delivery=delivery))
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.
             log.warning("run %s: claim failed (%s); retrying in %d ms", run_id, exc.message,
@@ -205,8 +214,9 @@ class Executor:
         deadline = time.monotonic() + self.settings.lease_s
         while True:
             try:
-                return execution.finish(self.pool.get(), run_id, owner, **outcome,
-                                        enqueue=self.dispatcher.enqueue)
+                finished: dict | None = self.committer.run(lambda batch: execution.finish(
+                    batch, run_id, owner, **outcome, enqueue=self.dispatcher.enqueue))
+                return finished
             except LedgerUnavailable as exc:
                 self.pool.discard()
                 if time.monotonic() >= deadline:
