@@ -109,6 +109,9 @@ class Settings:
     #: "process": one admission writer process commits every web process's admissions;
     #: "inline": each web process commits its own (web/writer/ says why and when).
     admission_writer: str = "process"
+    #: Milliseconds the admission writer waits for more requests before committing a
+    #: small batch (0: it commits whatever arrived at once).
+    admission_linger_ms: float = 0.0
     #: Dramatiq worker processes.
     workers: int = 2
     #: Threads per Dramatiq worker process (the pool shared by the queues that have none
@@ -282,6 +285,7 @@ ENV_VARIABLES: dict[str, tuple[Callable[[str], Any], str]] = {
     "RUNSTILE_REQUEST_READ_TIMEOUT_S": (values_of.positive_float,
                                         "time for a request to arrive, s"),
     "RUNSTILE_ADMISSION_WRITER": (values_of.admission_writer, "who commits admissions"),
+    "RUNSTILE_ADMISSION_LINGER_MS": (values_of.linger_ms, "admission writer's wait for more, ms"),
     "RUNSTILE_WORKERS": (values_of.positive_int, "worker processes"),
     "RUNSTILE_THREADS": (values_of.positive_int, "threads per worker process"),
     "RUNSTILE_QUEUES": (values_of.queue_list, "queues this node consumes, comma-separated"),

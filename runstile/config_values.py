@@ -48,6 +48,17 @@ def non_negative_float(raw: str) -> float:
     return value
 
 
+#: Longest admission linger: beyond a few milliseconds it only adds latency.
+MAX_LINGER_MS = 20.0
+
+
+def linger_ms(raw: str) -> float:
+    value = non_negative_float(raw)
+    if value > MAX_LINGER_MS:
+        raise ValueError(f"must be at most {MAX_LINGER_MS:g} (milliseconds)")
+    return value
+
+
 def synchronous(raw: str) -> str:
     value = raw.strip().upper()
     if value not in SYNCHRONOUS_LEVELS:

@@ -207,3 +207,23 @@ def test_a_stopped_writer_answers_503_after_the_busy_timeout_and_commits_nothing
         api.post_run({"task": "echo"}, idempotency_key="frozen")), 30, 0.1, "the retry")
     assert ledger.query("SELECT COUNT(*) FROM runs")[0][0] == 1
     assert retry.json()["id"] == ledger.query("SELECT id FROM runs")[0][0]
+
+
+def test_a_lingering_writer_answers_every_admission_of_its_batches(make_server, ledger):
+    server = make_server(web_workers=2, RUNSTILE_ADMISSION_LINGER_MS="5")
+    wait_for_writer(server)
+    api = Api(server, ledger.key(), ledger)
+
+    def post(i: int):
+        answer = api.post_run({"task": "echo", "input": i}, idempotency_key=f"linger-{i}")
+        assert answer.status_code == 202, answer.text
+        return answer.json()["id"]
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(post, range(200)))
+    assert len(set(ids)) == 200
+    stored = dict(ledger.query("SELECT idempotency_key, run_id FROM idempotency_keys"))
+    assert stored == {f"linger-{i}": run_id for i, run_id in enumerate(ids)}
+    # A replay is answered from the same batch machinery, lingering or not.
+    assert api.post_run({"task": "echo", "input": 7}, idempotency_key="linger-7").json()[
+        "replayed"] is True

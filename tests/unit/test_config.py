@@ -42,6 +42,11 @@ def test_the_admission_writer_is_a_process_unless_inline_is_asked_for():
         == "inline"
 
 
+def test_the_admission_writer_lingers_only_when_asked_to():
+    assert Settings.from_env({}).admission_linger_ms == 0
+    assert Settings.from_env({"RUNSTILE_ADMISSION_LINGER_MS": "1.5"}).admission_linger_ms == 1.5
+
+
 def test_flags_override_the_environment():
     s = Settings.from_env({"RUNSTILE_PORT": "9000"}, port=9100)
     assert s.port == 9100
@@ -57,7 +62,8 @@ def test_flags_override_the_environment():
     ("RUNSTILE_HOST", " "), ("RUNSTILE_DATA_DIR", ""),
     ("RUNSTILE_BROKER_URL", "redis://"), ("RUNSTILE_BROKER_URL", "redis://h:99999"),
     ("RUNSTILE_BROKER_URL", "amqp://h;redis://h"), ("RUNSTILE_ADMISSION_WRITER", "thread"),
-    ("RUNSTILE_ADMISSION_WRITER", ""),
+    ("RUNSTILE_ADMISSION_WRITER", ""), ("RUNSTILE_ADMISSION_LINGER_MS", "21"),
+    ("RUNSTILE_ADMISSION_LINGER_MS", "-1"), ("RUNSTILE_ADMISSION_LINGER_MS", "nan"),
 ])
 def test_an_invalid_value_is_refused_naming_the_variable(name, value):
     with pytest.raises(ConfigError) as info:

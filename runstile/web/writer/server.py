@@ -30,6 +30,8 @@ log = logging.getLogger("runstile.writer")
 
 #: Seconds the writer waits in select() before re-checking its stop flag.
 _TICK_S = 0.5
+#: A batch this small lingers (RUNSTILE_ADMISSION_LINGER_MS); a larger one commits at once.
+LINGER_BELOW = 8
 #: Seconds a send to a web thread may block (answers carry a run; the thread reads at once).
 _SEND_TIMEOUT_S = 10.0
 #: Bytes read from a connection per wake-up.
@@ -107,10 +109,15 @@ class _Writer:
 
     def run(self) -> None:
         self.lifeline.sendall(b"r")  # listening: serve may start the web processes
+        linger_s = self.settings.admission_linger_ms / 1000
         while not self.stopping:
-            batch = self._gather()
+            batch = self._gather(_TICK_S)
             if not batch:
                 continue
+            if linger_s and len(batch) < LINGER_BELOW:
+                # A small batch waits once, briefly, for the requests on their way: fewer
+                # commits under load, at most linger_s more latency (RUNSTILE_ADMISSION_LINGER_MS).
+                batch += self._gather(linger_s)
             # Everything that arrived since the last commit shares one transaction.
             self.batches.settle([unit for _, unit in batch if unit.error is None])
             crashpoints.hit(self.settings, "writer_after_commit")
@@ -120,10 +127,10 @@ class _Writer:
         with contextlib.suppress(OSError):
             self.lifeline.sendall(b"s")  # a requested stop, not a crash (supervisor.py)
 
-    def _gather(self) -> list[tuple[_Connection, group_commit.Unit]]:
-        """The requests that arrived by the next wake-up (at most ``_TICK_S`` away)."""
+    def _gather(self, timeout_s: float) -> list[tuple[_Connection, group_commit.Unit]]:
+        """The requests that arrived by the next wake-up (at most ``timeout_s`` away)."""
         batch: list[tuple[_Connection, group_commit.Unit]] = []
-        for key, _ in self.selector.select(_TICK_S):
+        for key, _ in self.selector.select(timeout_s):
             if key.data == "listener":
                 self._accept()
             elif key.data == "lifeline":
