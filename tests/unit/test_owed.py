@@ -68,8 +68,22 @@ def test_a_finish_that_frees_a_session_owes_the_next_runs_publish_and_pays_it_on
     sent_at = owing.conn.execute("SELECT sent_at FROM dispatches WHERE id = ?",
                                  (dispatch_id,)).fetchone()[0]
     assert sent_at is None  # unsent until a publisher marks it
-    # The completed event may have created a callback obligation: a delivery is owed.
-    assert owing.paid[0].deliveries == [first]
+    # A run without a callback_url gets no obligation from its completed event: its
+    # finish owes no delivery, and its settlement looks nothing up.
+    assert owing.paid[0].deliveries == []
+
+
+def test_a_finish_of_a_run_with_a_callback_owes_its_delivery(owing):
+    run_id = owing.admit(callback_url="https://hooks.example/done")
+    assert execution.claim(owing.conn, run_id, OWNER, lease_s=60, task_known=lambda t: True,
+                           enqueue=AFTER_COMMIT).run is not None
+    owing.paid.clear()
+    execution.finish(owing.conn, run_id, OWNER, status="completed", result_json="1",
+                     enqueue=AFTER_COMMIT)
+    # The completed event created a callback obligation: a delivery is owed.
+    assert [owed.deliveries for owed in owing.paid] == [[run_id]]
+    assert owing.conn.execute("SELECT COUNT(*) FROM obligations WHERE run_id = ?",
+                              (run_id,)).fetchone()[0] == 1
 
 
 def test_a_transaction_that_rolls_back_owes_nothing(owing):

@@ -53,7 +53,14 @@ def test_a_concurrency_1_task_runs_one_body_at_a_time_across_processes_under_8_c
     times = [float(at) for *_, at in lines]
     assert times == sorted(times), "two bodies overlapped"
     assert sorted(rid for kind, rid, _, _ in lines if kind == "start") == sorted(every)
-    assert len({pid for *_, pid, _ in lines}) == 2, "the bodies ran in one process only"
+    # Across processes: either both ran bodies (and the clock says none overlapped), or
+    # a process that ran none had claims refused for the limit, which only the other's
+    # bodies can have held.  (The process that frees the slot is usually the first to
+    # see the run it hands on, so all bodies may well run in one process.)
+    bodies_in = {pid for *_, pid, _ in lines}
+    refused_in = set(re.findall(r"\[worker (\d+)\][^\n]*claim lost \(task_busy\)",
+                                system.log()))
+    assert len(bodies_in) == 2 or refused_in - bodies_in, (bodies_in, refused_in)
     # Every run a claim refused for the limit was handed a freed slot by a dispatch.
     refused = set(re.findall(r"run (run_[0-9a-f]{32}): claim lost \(task_busy\)",
                              system.log()))
