@@ -52,6 +52,9 @@ class Settings:
     processes: int
     threads: int
     keep: bool
+    #: RUNSTILE_ADMISSION_LINGER_MS for runstile's server (BENCH_ADMISSION_LINGER_MS; unset:
+    #: runstile's default).
+    linger_ms: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -59,7 +62,8 @@ class Settings:
                    warmup_s=float(os.environ.get("BENCH_WARMUP", "2")),
                    processes=int(os.environ.get("BENCH_CLIENT_PROCESSES", "4")),
                    threads=int(os.environ.get("BENCH_CLIENT_THREADS", "4")),
-                   keep=os.environ.get("BENCH_KEEP") == "1")
+                   keep=os.environ.get("BENCH_KEEP") == "1",
+                   linger_ms=os.environ.get("BENCH_ADMISSION_LINGER_MS"))
 
 
 @dataclass
@@ -189,6 +193,8 @@ def count_rows(path: Path, table: str) -> int:
 def bench_runstile(cfg: Settings) -> HttpResult:
     with temp_dir("bench-runstile-", cfg.keep) as data:
         env = clean_env(RUNSTILE_MAX_ACTIVE_RUNS="100000000")
+        if cfg.linger_ms is not None:
+            env["RUNSTILE_ADMISSION_LINGER_MS"] = cfg.linger_ms
         created = subprocess.run(
             [str(BIN / "runstile"), "keys", "create", "--profile", "bench", "--json",
              "--data-dir", str(data)],
