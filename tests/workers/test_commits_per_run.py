@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from runstile.ledger import admission
+from runstile import dispatch
+from runstile.config import Settings
+from runstile.ledger import admission, db
 from runstile.ledger.keys import Principal
 from tests.conftest import ROOT, RUNSTILE, STARTED, kill_group, wait_until
 
@@ -29,6 +31,9 @@ HEARTBEAT_S = 5.0
 #: The kinds of periodic durable commit a worker makes: the leases' heartbeat, the
 #: consumers' heartbeat, the node's heartbeat, and one spare for a period boundary.
 PERIODIC_KINDS = 4
+#: The embedded broker's enqueue: each run's message commits with its admission, as the
+#: web tier writes it (without it the runs would wait for recovery to publish them).
+ENQUEUE = dispatch.Dispatcher(Settings()).enqueue
 
 
 def wal_and_checkpoint_syncs(trace: str) -> tuple[int, int]:
@@ -44,13 +49,20 @@ def wal_and_checkpoint_syncs(trace: str) -> tuple[int, int]:
 
 
 def admit(conn, key, count: int) -> None:
+    """``count`` runs in one transaction of this (untraced) process."""
+    with db.transaction(conn):
+        _admit_each(conn, key, count)
+
+
+def _admit_each(conn, key, count: int) -> None:
     for _ in range(count):
         request = admission.AdmissionRequest(
             principal=Principal(key.profile, key.key_id, key.role), key=None,
             key_is_derived=False, run_id=None, task="echo", input_json="{}",
             session_key=None, trigger_id=None, metadata_json=None, callback_url=None,
             fingerprint="f" * 64, fingerprint_version=1)
-        admission.admit(conn, request, refusal=None, max_active_runs=100_000)
+        admission.admit(conn, request, refusal=None, max_active_runs=100_000,
+                        enqueue=ENQUEUE)
 
 
 @pytest.mark.skipif(shutil.which("strace") is None and not os.environ.get("CI"),
