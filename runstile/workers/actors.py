@@ -101,9 +101,9 @@ class Executor:
                 delivery=delivery))
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.
+            # (The committer reopens its own connection after a failed batch.)
             log.warning("run %s: claim failed (%s); retrying in %d ms", run_id, exc.message,
                         CLAIM_RETRY_DELAY_MS)
-            self.pool.discard()
             self.broker.enqueue(dispatch.message_for(run_id, dispatch_id, queue=queue),
                                 delay=CLAIM_RETRY_DELAY_MS)
             return
@@ -218,7 +218,7 @@ class Executor:
                     batch, run_id, owner, **outcome, enqueue=self.dispatcher.enqueue))
                 return finished
             except LedgerUnavailable as exc:
-                self.pool.discard()
+                # The committer reopens its own connection after a failed batch.
                 if time.monotonic() >= deadline:
                     log.error("run %s: could not record its outcome (%s); recovery will "
                               "classify it", run_id, exc.message)

@@ -54,14 +54,19 @@ def owing(ledger):
     return Ledger(ledger.target)
 
 
+def claim_then_finish(owing: Ledger, run_id: str) -> None:
+    """Claim ``run_id`` and complete it; ``owing.paid`` then holds what the finish owed."""
+    assert execution.claim(owing.conn, run_id, OWNER, lease_s=60, task_known=lambda t: True,
+                           enqueue=AFTER_COMMIT).run is not None
+    owing.paid.clear()
+    execution.finish(owing.conn, run_id, OWNER, status="completed", result_json="1",
+                     enqueue=AFTER_COMMIT)
+
+
 def test_a_finish_that_frees_a_session_owes_the_next_runs_publish_and_pays_it_once(owing):
     first = owing.admit(session_key="s")
     second = owing.admit(session_key="s")
-    assert execution.claim(owing.conn, first, OWNER, lease_s=60, task_known=lambda t: True,
-                           enqueue=AFTER_COMMIT).run is not None
-    owing.paid.clear()
-    execution.finish(owing.conn, first, OWNER, status="completed", result_json="1",
-                     enqueue=AFTER_COMMIT)
+    claim_then_finish(owing, first)
     assert len(owing.paid) == 1
     [(dispatch_id, run_id, delay_s, priority, queue)] = owing.paid[0].publish
     assert (run_id, delay_s, priority, queue) == (second, 0.0, 5, "default")
@@ -75,11 +80,7 @@ def test_a_finish_that_frees_a_session_owes_the_next_runs_publish_and_pays_it_on
 
 def test_a_finish_of_a_run_with_a_callback_owes_its_delivery(owing):
     run_id = owing.admit(callback_url="https://hooks.example/done")
-    assert execution.claim(owing.conn, run_id, OWNER, lease_s=60, task_known=lambda t: True,
-                           enqueue=AFTER_COMMIT).run is not None
-    owing.paid.clear()
-    execution.finish(owing.conn, run_id, OWNER, status="completed", result_json="1",
-                     enqueue=AFTER_COMMIT)
+    claim_then_finish(owing, run_id)
     # The completed event created a callback obligation: a delivery is owed.
     assert [owed.deliveries for owed in owing.paid] == [[run_id]]
     assert owing.conn.execute("SELECT COUNT(*) FROM obligations WHERE run_id = ?",
