@@ -25,7 +25,7 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from ..errors import LedgerUnavailable, RunstileError
 from . import db
@@ -34,7 +34,6 @@ from . import db
 MAX_BATCH = 64
 
 
-@runtime_checkable
 class BatchWork(Protocol):
     """Work that a batch may run together with the other units of its kind."""
 
@@ -193,7 +192,9 @@ def _by_kind(batch: Sequence[Unit]) -> list[tuple[Any, list[Unit]]]:
     groups: dict[Any, list[Unit]] = {}
     out: list[tuple[Any, list[Unit]]] = []
     for unit in batch:
-        run_many = unit.work.run_many if isinstance(unit.work, BatchWork) else None
+        # getattr, not isinstance(BatchWork): a runtime Protocol check walks the
+        # protocol's members on every call, and this runs for every unit of every batch.
+        run_many = getattr(unit.work, "run_many", None)
         if run_many is None:
             out.append((None, [unit]))
         elif run_many in groups:

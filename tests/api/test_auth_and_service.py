@@ -111,3 +111,20 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(api):
     assert wrong.status_code == 405
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert "Raised when" not in wrong.text + missing.text
+
+
+def test_the_api_never_reads_or_sets_the_dashboard_session_cookie(api):
+    # The dashboard's pages have a signed session (its CSRF token, its sign-in); API
+    # routes get Flask's null session, so they cannot write one even by mistake.
+    login = requests.get(api.server.url + "/ui/login", timeout=10)
+    cookie = login.cookies.get("runstile_ui")
+    assert login.status_code == 200 and cookie
+    sent = {"Cookie": f"runstile_ui={cookie}"}
+    run = api.post_run({"task": "echo"}, headers=sent)
+    listing = api.get("/v1/runs", headers=sent)
+    capabilities = api.get("/v1/capabilities", headers=sent)
+    for response in (run, listing, capabilities):
+        assert response.status_code in (200, 202), response.text
+        assert "Set-Cookie" not in response.headers
+    again = requests.get(api.server.url + "/ui/login", headers=sent, timeout=10)
+    assert again.status_code == 200 and "Set-Cookie" not in again.headers  # same session

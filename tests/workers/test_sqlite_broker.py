@@ -524,3 +524,58 @@ def test_an_idle_consumer_gets_another_processs_message_within_milliseconds_with
     assert p50 < 20, latencies_ms
     assert idle_cpu < 0.05
     consumer.close()
+
+
+_STREAM = r"""
+import sys, time
+from dramatiq import Message
+from runstile.ledger import db
+from runstile.workers.sqlite_broker import enqueue_in
+conn = db.connect(sys.argv[1])
+started, next_other = time.monotonic(), 0.0
+while time.monotonic() - started < float(sys.argv[2]):
+    # A stream of commits to a queue nobody here consumes, and every 100 ms one message
+    # for the idle consumer's queue.
+    other = time.monotonic() - started >= next_other
+    m = Message(queue_name="other" if other else "busy", actor_name="noop", args=(),
+                kwargs={}, options={})
+    with db.transaction(conn):
+        enqueue_in(conn, m)
+    if other:
+        next_other += 0.1
+        print(m.message_id, time.time(), flush=True)
+"""
+
+
+def test_a_stream_of_other_commits_is_looked_at_sparingly_and_an_idle_queue_still_wakes_at_once(
+        make_broker, ledger):
+    if ledger.dialect != "sqlite":
+        pytest.skip("SQLite only: its WAL watch (PostgreSQL is told which queue by NOTIFY)")
+    broker = make_broker(consumer_timeout_s=15.0, heartbeat_interval_s=None)
+    broker.declare_queue("other")
+    consumer = broker.consume("other", prefetch=1, timeout=1000)
+    wait_until(lambda: broker.watcher().mode, 5, 0.01, "the watcher thread")
+    seconds = 3.0
+    producer = subprocess.Popen([sys.executable, "-c", _STREAM, str(ledger.target), str(seconds)],
+                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    looks_before = broker.watcher().looks
+    received: dict[str, float] = {}
+    deadline = time.monotonic() + seconds + 10
+    while producer.poll() is None or (len(received) < 30 and time.monotonic() < deadline):
+        proxy = next(consumer)
+        if proxy is not None:
+            received[proxy.message_id] = time.time()
+            consumer.ack(proxy)
+        if time.monotonic() > deadline:
+            break
+    looks = broker.watcher().looks - looks_before
+    committed = dict(line.split() for line in producer.communicate(timeout=30)[0].splitlines())
+    streamed = ledger.query("SELECT COUNT(*) FROM broker_messages WHERE queue_name = 'busy'")[0][0]
+    latencies_ms = sorted((received[m] - float(t)) * 1000 for m, t in committed.items())
+    print(f"\n{streamed} commits to another queue in {seconds:g} s, {looks} looks; idle queue "
+          f"p50 {statistics.median(latencies_ms):.1f} ms, max {latencies_ms[-1]:.1f} ms")
+    assert set(received) == set(committed)
+    assert streamed > 3 * looks  # the stream is not looked at commit by commit...
+    assert looks < seconds * 150  # ...nor every 2 ms: each empty look doubles the pause
+    assert statistics.median(latencies_ms) < 25, latencies_ms  # the idle queue still wakes
+    consumer.close()

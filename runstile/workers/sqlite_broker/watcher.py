@@ -40,6 +40,13 @@ from .wakeup import CommitSignal, open_signal
 #: immediate, while a stream of commits (thousands a second under load, most of them
 #: other processes' runs) is seen a few at a time instead of one look each.
 MIN_LOOK_INTERVAL_S = 0.002
+#: Longest pause: each look that wakes no consumer doubles the pause up to this, and one
+#: that wakes a consumer (or comes after a quiet spell) brings it back to the shortest.
+#: Under load the consumers that still want wake-ups are those of idle queues (a delay
+#: queue, the deliveries'), whose looks find nothing: looking every 2 ms for them cost a
+#: worker process about a fifth of its CPU.  A message for such a queue in a stream of
+#: other commits waits at most this much longer.
+MAX_LOOK_INTERVAL_S = 0.016
 
 if TYPE_CHECKING:
     from .broker import SQLiteBroker
@@ -79,6 +86,8 @@ class Watcher:
         #: Wake-ups that found work for a consumer, by reason: "commit" (SQLite),
         #: "notify" or "fallback" (PostgreSQL).  Only this thread writes it.
         self.wakeups: collections.Counter[str] = collections.Counter()
+        #: Looks at the commits since the thread started (tests: how often it looks).
+        self.looks = 0
 
     def add(self, consumer: SQLiteConsumer) -> None:
         with self.cond:
@@ -132,8 +141,9 @@ class Watcher:
             return wanted
 
     def _wake_ready(self, conn: sqlite3.Connection, reason: str,
-                    queues: set[str] | None) -> None:
-        """Wake the consumers of ``queues`` (None: of those queues that have a message).
+                    queues: set[str] | None) -> bool:
+        """Wake the consumers of ``queues`` (None: of those queues that have a message);
+        whether any was woken.
 
         Why no consumer sleeps through one: a consumer clears its event *before* it
         looks for messages, so a message committed after its look is committed after
@@ -145,11 +155,12 @@ class Watcher:
             # are, and this thread then reads nothing at all for the commit.
             names = {c.queue_name for c in self.consumers.values() if c.wants_wakeup()}
         if not names:
-            return
+            return False
         ready = names & queues if queues is not None else broker_queue.ready_among(conn, names)
         if ready:
             self.wakeups[reason] += 1
             self.poke(ready)
+        return bool(ready)
 
     def stop(self) -> None:
         """Stop the thread for good (the broker makes a new watcher if it consumes again)."""
@@ -236,12 +247,17 @@ class Watcher:
         if wanted:
             # A commit seen this soon after the last look waits out the interval (a
             # close or stop still ends the pause at once), then one look covers all.
-            pause = loop.last_look + MIN_LOOK_INTERVAL_S - time.monotonic()
+            pause = loop.last_look + loop.look_interval - time.monotonic()
             if pause > 0 and select.select([self._wake_r], [], [], pause)[0]:
                 _drain_pipe(self._wake_r)
-            loop.last_look = time.monotonic()
-            for reason, queues in signal.observe(loop.last_look):
-                self._wake_ready(signal.conn, reason, queues)
+            now = time.monotonic()
+            quiet = now - loop.last_look > MAX_LOOK_INTERVAL_S
+            loop.last_look = now
+            self.looks += 1
+            woke = False
+            for reason, queues in signal.observe(now):
+                woke = self._wake_ready(signal.conn, reason, queues) or woke
+            loop.pace(woke=woke, quiet=quiet)
 
     def _beat(self, conn: sqlite3.Connection) -> None:
         # Under beat_lock: a consumer's close takes it too, so a heartbeat already under
@@ -269,8 +285,15 @@ class _Loop:
         # (otherwise each heartbeat would look like a commit that never arrives).
         self.beat_conn: sqlite3.Connection | None = None
         self.next_beat = 0.0
-        #: When the commits were last looked at (MIN_LOOK_INTERVAL_S).
+        #: When the commits were last looked at, and the pause before the next look.
         self.last_look = 0.0
+        self.look_interval = MIN_LOOK_INTERVAL_S
+
+    def pace(self, *, woke: bool, quiet: bool) -> None:
+        """After a look: back to the shortest pause if it woke a consumer or ended a
+        quiet spell, else twice the pause (MAX_LOOK_INTERVAL_S at most)."""
+        self.look_interval = (MIN_LOOK_INTERVAL_S if woke or quiet
+                              else min(MAX_LOOK_INTERVAL_S, 2 * self.look_interval))
 
     def open(self) -> str:
         """Open the commit signal and the heartbeat connection; returns the wake-up mode."""
