@@ -9,6 +9,7 @@ built in a test) the samples stay in this process.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from prometheus_client import Counter, Histogram
@@ -34,6 +35,15 @@ DELIVERIES = Counter("runstile_deliveries_total",
                      "later; parked; lost: recovery took the attempt back first)", ["outcome"])
 
 
+#: A labelled child per task (and status), looked up once: ``labels()`` takes a lock and
+#: checks its arguments on every call, and these run for every run.  Tasks come from
+#: the registry, so the caches stay small.
+_finished_child = functools.lru_cache(maxsize=1024)(
+    lambda task, status: RUNS_FINISHED.labels(task=task, status=status))
+_duration_child = functools.lru_cache(maxsize=1024)(lambda task: RUN_DURATION.labels(task=task))
+_wait_child = functools.lru_cache(maxsize=1024)(lambda task: QUEUE_WAIT.labels(task=task))
+
+
 def claimed(run: dict) -> None:
     """A won claim (the run row it returned): on the run's first start, its wait since
     admission, or since its not_before for a delayed run.  Later claims (a retry, a
@@ -43,12 +53,12 @@ def claimed(run: dict) -> None:
     first_start = run.get("started_at") is not None and run["started_at"] == run["updated_at"]
     if first_start and run.get("attempt") == 1:
         due = max(run["created_at"], run.get("not_before") or 0.0)
-        QUEUE_WAIT.labels(task=run["task"]).observe(max(0.0, run["started_at"] - due))
+        _wait_child(run["task"]).observe(max(0.0, run["started_at"] - due))
 
 
 def finished(task: str, status: str, started_monotonic: float) -> None:
-    RUNS_FINISHED.labels(task=task, status=status).inc()
-    RUN_DURATION.labels(task=task).observe(time.monotonic() - started_monotonic)
+    _finished_child(task, status).inc()
+    _duration_child(task).observe(time.monotonic() - started_monotonic)
 
 
 def claim_lost(reason: str) -> None:
