@@ -577,5 +577,8 @@ def test_a_stream_of_other_commits_is_looked_at_sparingly_and_an_idle_queue_stil
     assert set(received) == set(committed)
     assert streamed > 3 * looks  # the stream is not looked at commit by commit...
     assert looks < seconds * 150  # ...nor every 2 ms: each empty look doubles the pause
-    assert statistics.median(latencies_ms) < 25, latencies_ms  # the idle queue still wakes
+    # The idle queue still wakes by the watcher (its fallback poll is 15 s here): each of
+    # its messages within the longest pause plus the wait for the write lock behind the
+    # stream (about 19 ms median measured, 11 ms with a fixed 2 ms pause).
+    assert statistics.median(latencies_ms) < 60, latencies_ms
     consumer.close()

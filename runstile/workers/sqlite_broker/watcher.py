@@ -245,19 +245,32 @@ class Watcher:
         if self._wake_r in ready:
             _drain_pipe(self._wake_r)
         if wanted:
-            # A commit seen this soon after the last look waits out the interval (a
-            # close or stop still ends the pause at once), then one look covers all.
-            pause = loop.last_look + loop.look_interval - time.monotonic()
-            if pause > 0 and select.select([self._wake_r], [], [], pause)[0]:
-                _drain_pipe(self._wake_r)
-            now = time.monotonic()
-            quiet = now - loop.last_look > MAX_LOOK_INTERVAL_S
-            loop.last_look = now
-            self.looks += 1
-            woke = False
-            for reason, queues in signal.observe(now):
-                woke = self._wake_ready(signal.conn, reason, queues) or woke
-            loop.pace(woke=woke, quiet=quiet)
+            self._look(loop, signal)
+
+    def _look(self, loop: _Loop, signal: CommitSignal) -> None:
+        """After a wake-up: wait out the pause since the last look, look at what was
+        committed, wake the consumers it names and pace the next look."""
+        # A commit seen this soon after the last look waits out the interval (a
+        # close or stop still ends the pause at once), then one look covers all.
+        pause = loop.last_look + loop.look_interval - time.monotonic()
+        if pause > 0 and select.select([self._wake_r], [], [], pause)[0]:
+            _drain_pipe(self._wake_r)
+        # Quiet: the signal came after the whole pause had passed, so nothing was
+        # held back (a stream of commits signals again at once after each look).
+        quiet = pause <= 0
+        now = time.monotonic()
+        self.looks += 1
+        seen = signal.observe(now)
+        if not seen:
+            # No commit visible yet (inotify announces one before it is): this look
+            # neither starts a pause nor says anything about the stream, so the
+            # look that sees the commit is not held back by it.
+            return
+        loop.last_look = now
+        woke = False
+        for reason, queues in seen:
+            woke = self._wake_ready(signal.conn, reason, queues) or woke
+        loop.pace(woke=woke, quiet=quiet)
 
     def _beat(self, conn: sqlite3.Connection) -> None:
         # Under beat_lock: a consumer's close takes it too, so a heartbeat already under
