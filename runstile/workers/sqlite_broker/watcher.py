@@ -40,8 +40,9 @@ from .wakeup import CommitSignal, open_signal
 #: immediate, while a stream of commits (thousands a second under load, most of them
 #: other processes' runs) is seen a few at a time instead of one look each.
 MIN_LOOK_INTERVAL_S = 0.002
-#: Longest pause: each look that wakes no consumer doubles the pause up to this, and one
-#: that wakes a consumer (or comes after a quiet spell) brings it back to the shortest.
+#: Longest pause: each look that sees commits but wakes no consumer doubles the pause up
+#: to this, and one that wakes a consumer (or comes after a quiet spell) brings it back
+#: to the shortest; a look that sees no commit changes nothing (``Watcher._look``).
 #: Under load the consumers that still want wake-ups are those of idle queues (a delay
 #: queue, the deliveries'), whose looks find nothing: looking every 2 ms for them cost a
 #: worker process about a fifth of its CPU.  A message for such a queue in a stream of
