@@ -76,6 +76,19 @@ def fresh_database(*, required: bool = False, migrated: bool = False) -> Iterato
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def end_frozen_writers(url: str, seconds: float) -> None:
+    """Have the server end any session of ``url``'s database that sits in a transaction
+    for ``seconds`` (``idle_in_transaction_session_timeout``, for sessions opened from
+    now on), as docs/operations.md tells operators to: a process frozen in a write
+    transaction (SIGSTOP) otherwise holds the ledger's writer lock until it resumes."""
+    import psycopg
+
+    name = urlsplit(url).path.lstrip("/")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" SET idle_in_transaction_session_timeout = '
+                     f"'{int(seconds * 1000)}ms'")
+
+
 _templates: dict[str, str] = {}
 
 
