@@ -9,9 +9,10 @@ two in step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,27 @@ def share_metrics_across_processes(folder: str) -> None:
     variable (its interface, not a runstile setting), so this is the one place that sets
     it; runstile's own code is handed the folder explicitly."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+
+
+@contextlib.contextmanager
+def metrics_shared_by_children() -> Iterator[str]:
+    """The multiprocess folder of this process and every process it starts, for as long
+    as the block runs, before any of them imports prometheus_client, so that /metrics adds
+    up every process of the node (docs/operations.md, "Metrics").  The folder this process
+    was started with (``runstile up`` makes one for its children, an operator may set
+    PROMETHEUS_MULTIPROC_DIR) is used and kept as it is; otherwise a fresh one, removed at
+    the end.  In the system's temporary directory, never beside the ledger:
+    prometheus_client writes through mmap, and a full filesystem answers that with
+    SIGBUS."""
+    import shutil
+    inherited = shared_metrics_folder()
+    folder = inherited or new_metrics_folder()
+    share_metrics_across_processes(folder)
+    try:
+        yield folder
+    finally:
+        if not inherited:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pass_ledger_to_children(settings: Settings) -> None:

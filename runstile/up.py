@@ -11,27 +11,20 @@ its watch loop and forwards SIGTERM to the children from there.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import click
 
-from . import filemodes, logs
+from . import boot, filemodes, logs
 from . import tasks as registry
-from .config import (
-    Settings,
-    new_metrics_folder,
-    pass_ledger_to_children,
-    share_metrics_across_processes,
-    shared_metrics_folder,
-)
-from .errors import ConfigError
+from .config import Settings, metrics_shared_by_children, pass_ledger_to_children
 from .ledger import db, keys, maintenance, migrations, nodes
 from .node_lock_watch import LockWatch
 from .recovery import reconcile
@@ -43,41 +36,6 @@ from .workers.scheduler import Scheduler
 KILL_GRACE_S = 5.0
 #: Seconds between two looks at the children and the signal pipe.
 WATCH_S = 0.1
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise ConfigError when ``host:port`` cannot be bound (taken, or not an address of
-    this machine).  gunicorn binds with SO_REUSEADDR, and so does this probe."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process "
-                f"holds the port? choose another with --port or RUNSTILE_PORT)") from None
-
-
-def share_metrics(settings: Settings) -> str | None:
-    """A fresh folder for prometheus_client's multiprocess mode, shared by this process
-    and every child (web, workers), before any of them imports prometheus_client: the
-    web's /metrics then adds up every process of the node (docs/operations.md,
-    "Metrics").  None when PROMETHEUS_MULTIPROC_DIR is already set: the operator's
-    folder is used as it is, and never removed.
-
-    In the system's temporary directory, never beside the ledger: prometheus_client
-    writes through mmap, and a full filesystem answers that with SIGBUS.
-    """
-    if shared_metrics_folder() is not None:
-        return None
-    folder = new_metrics_folder()
-    share_metrics_across_processes(folder)
-    return folder
 
 
 @dataclass
@@ -193,34 +151,42 @@ class Supervisor:
     def run(self) -> int:
         logs.configure(self.settings.log_format, node=self.settings.node_id,
                        text_format="%(asctime)s %(levelname)s [supervisor] %(message)s")
-        watch = self.watch = LockWatch(self.settings, self.say).acquire()
-        metrics_dir = None
+        # From the start, a stop signal is seen by the main thread (runstile/signals.py).
+        self.signals = StopSignals()
+        watch = self.watch = LockWatch(self.settings, self.say)
+        if not self._until_done("node lock", watch.acquire):
+            return 0  # stopped before the lock was taken: nothing started
         try:
             if self.web:
                 # Before a ledger, a key or a line: a port taken is a usage error.
-                check_port_free(self.settings.host, self.settings.port)
-            metrics_dir = share_metrics(self.settings)
-            pass_ledger_to_children(self.settings)
-            return self._run_locked()
+                boot.check_port_free(self.settings.host, self.settings.port)
+            with metrics_shared_by_children():
+                pass_ledger_to_children(self.settings)
+                return self._run_locked()
         finally:
             self.stopping = True
             watch.close()
-            if metrics_dir is not None:
-                shutil.rmtree(metrics_dir, ignore_errors=True)
 
-    def _boot_generation(self) -> int:
+    def _boot_generation(self) -> None:
         migrations.migrate(self.settings.ledger_target, synchronous=self.settings.synchronous,
                            busy_timeout_ms=self.settings.busy_timeout_ms)
         conn = db.connect(self.settings.ledger_target, synchronous=self.settings.synchronous,
                           busy_timeout_ms=self.settings.busy_timeout_ms)
         try:
-            return nodes.boot(conn, self.settings.node_id)
+            self.generation = nodes.boot(conn, self.settings.node_id)
         finally:
             conn.close()
 
+    def _until_done(self, what: str, step: Callable[[], object]) -> bool:
+        """``step()`` until the ledger answers; False when a stop signal came first."""
+        assert self.signals is not None
+        return boot.until_available(what, step, self.signals.wait, self.say)
+
     def _run_locked(self) -> int:
-        generation = self.generation = self._boot_generation()
-        self.signals = StopSignals()
+        assert self.signals is not None  # run() sets it first
+        if not self._until_done("boot", self._boot_generation):
+            return 0  # stopped before anything started
+        generation = self.generation
         filemodes.warn_loose(self.settings.data_dir)
         registry.load(self.settings.tasks)  # recovery needs each task's on_crash
         # Built now, so a schedule that cannot be admitted stops the start (exit 2).
@@ -229,14 +195,15 @@ class Supervisor:
         # worker process exists before this boot's recovery has finished.
         self._start(self.plan_web())
         try:
-            reconcile.boot(self.settings, generation)
+            recovered = self._until_done("boot recovery",
+                                         lambda: reconcile.boot(self.settings, generation))
         except Exception as exc:  # noqa: BLE001 - reported, then the node stops
             # No worker may start without this boot's recovery; stop what runs.
             self.say(f"runstile: boot recovery failed: {exc}", err=True, level="ERROR")
             self._stop()
             self._watch()
             return 1
-        if self.signals.received:
+        if not recovered or self.signals.received:
             return self._watch()  # stopped during boot: no worker starts
         return self._serve(generation, scheduler)
 
@@ -343,7 +310,7 @@ class Supervisor:
         self.watch.drop()
         while self.watch.retake(self._pause):
             try:
-                self.generation = self._boot_generation()
+                self._boot_generation()
                 self.say(f"runstile: took the node lock again: generation {self.generation}; "
                          "recovering")
                 reconcile.boot(self.settings, self.generation)

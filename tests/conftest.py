@@ -509,7 +509,8 @@ class Workers:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
-    def start(self) -> Workers:
+    def start(self, wait: bool = True) -> Workers:
+        """Start it; with ``wait``, return once every worker process consumes."""
         env = {**os.environ, **database_env(self.data_dir), **self.env}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.log_path = self.data_dir.parent / f"worker-{time.monotonic_ns()}.log"
@@ -520,7 +521,8 @@ class Workers:
             stderr=log, start_new_session=True, cwd=ROOT)
         STARTED.append(self.proc)
         log.close()
-        wait_until(self._up, 30, 0.05, "runstile worker to boot")
+        if wait:
+            wait_until(self._up, 30, 0.05, "runstile worker to boot")
         return self
 
     def _up(self) -> bool:

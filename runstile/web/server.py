@@ -9,18 +9,12 @@ ledger connection crosses a fork (docs/architecture.md, "The web tier").
 
 from __future__ import annotations
 
-import shutil
 from typing import TYPE_CHECKING
 
 from gunicorn.app.base import BaseApplication
 
 from .. import logs
-from ..config import (
-    Settings,
-    new_metrics_folder,
-    share_metrics_across_processes,
-    shared_metrics_folder,
-)
+from ..config import Settings, metrics_shared_by_children
 from ..filemodes import PRIVATE_UMASK
 from .gthread import BufferingThreadWorker
 from .writer import WriterProcess
@@ -95,18 +89,14 @@ def run_gunicorn(settings: Settings) -> None:
     """
     # Under ``runstile up`` the supervisor made the folder for the whole node (web and
     # workers); it, or an operator's PROMETHEUS_MULTIPROC_DIR, is used and kept as it is.
-    inherited = shared_metrics_folder()
-    metrics_dir = inherited or new_metrics_folder()
-    share_metrics_across_processes(metrics_dir)
-    writer = WriterProcess(settings) if settings.admission_writer == "process" else None
-    try:
-        if writer is not None:
-            # Before the web processes: their first admissions find it listening.
-            writer.start()
-        _Gunicorn(settings, None if writer is None else writer.path, metrics_dir).run()
-    finally:
-        if writer is not None:
-            # After gunicorn returned: every web process has finished its requests.
-            writer.stop()
-        if not inherited:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+    with metrics_shared_by_children() as metrics_dir:
+        writer = WriterProcess(settings) if settings.admission_writer == "process" else None
+        try:
+            if writer is not None:
+                # Before the web processes: their first admissions find it listening.
+                writer.start()
+            _Gunicorn(settings, None if writer is None else writer.path, metrics_dir).run()
+        finally:
+            if writer is not None:
+                # After gunicorn returned: every web process has finished its requests.
+                writer.stop()

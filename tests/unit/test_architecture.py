@@ -46,7 +46,9 @@ ALLOWED: dict[str, set[str]] = {
     "workers": FOUNDATIONS | {"ledger", "dispatch"},
     "recovery": FOUNDATIONS | {"ledger", "dispatch"},
     "node_lock_watch": FOUNDATIONS | {"ledger"},  # the supervisor's lock, taken again
-    "up": FOUNDATIONS | {"ledger", "dispatch", "recovery", "workers", "node_lock_watch"},
+    "boot": {"errors"},  # the supervisor's start: its port, a ledger waited for
+    "up": FOUNDATIONS | {"ledger", "dispatch", "recovery", "workers", "node_lock_watch",
+                         "boot"},
     "demo": {"tasks", "errors", "__init__"},
     "cli": FOUNDATIONS | {"ledger", "dispatch", "web", "workers", "recovery", "up", "client"},
     "__main__": {"cli"},
