@@ -210,20 +210,22 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
             "error_code = CASE status WHEN 'stopping' THEN NULL ELSE ? END, "
             "error_message = CASE status WHEN 'stopping' THEN NULL ELSE ? END, "
             f"finished_at = {NOW}, updated_at = {NOW}, lease_expires_at = NULL "
-            f"WHERE id = ? AND status IN ('running', 'stopping') AND {_OWNED} RETURNING *",
+            f"WHERE id = ? AND status IN ('running', 'stopping') AND {_OWNED} "
+            f"RETURNING *, {slots.waiting_columns()}",
             (status, result_json, error_code, error_message, run_id, *_owner_args(owner)),
         ).fetchone()
         if run is None:
             return None
+        run = dict(run)
+        waiting = slots.waiting_of(run)
         data: dict[str, Any] = {"attempt": run["attempt"]}
         if run["status"] == "cancelled":
             data["reason"] = "stopped"
         elif error_code is not None:
             data["error"] = {"code": error_code, "message": error_message}
-        run = dict(run)
         events.append(conn, run_id, f"run.{run['status']}", data, run=run)
         sessions.dispatch_next(conn, run, enqueue)
-        slots.dispatch_next(conn, run, enqueue)
+        slots.dispatch_next(conn, run, enqueue, waiting=waiting)
         return run
 
 

@@ -208,12 +208,34 @@ def hand_on(conn: sqlite3.Connection, freed: Mapping[Slot, int], enqueue: Enqueu
     return dispatched
 
 
+def waiting_columns() -> str:
+    """Columns for the RETURNING of a transition that frees its run's slots: whether any
+    run waits for a slot of each kind this run holds (``waiting_<column>``).  Asked in
+    the transition's own statement (the waiting runs' partial index, a lookup that finds
+    nothing when no limit is set), so that with nobody waiting :func:`dispatch_next`
+    reads nothing more: on PostgreSQL every statement is a round trip, paid while the
+    writer lock is held.  Read under the same write lock as the lookups it saves."""
+    return ", ".join(
+        f"EXISTS (SELECT 1 FROM runs w WHERE w.{k.column} = runs.{k.column} AND "
+        f"w.{k.mark} IS NOT NULL AND w.status = 'queued') AS waiting_{k.column}"
+        for k in KINDS)
+
+
+def waiting_of(run: dict[str, Any]) -> set[Kind]:
+    """Take the :func:`waiting_columns` answers out of a row read with them: the kinds
+    whose slot some run waits for."""
+    return {k for k in KINDS if run.pop(f"waiting_{k.column}")}
+
+
 def dispatch_next(conn: sqlite3.Connection, run: dict[str, Any],
-                  enqueue: Enqueue | None) -> list[str]:
+                  enqueue: Enqueue | None, *, waiting: Iterable[Kind] = KINDS) -> list[str]:
     """After ``run`` left running or stopping, in the same transaction: its profile's
     slot and its task's go to the runs waiting for them, if any (two indexed lookups that
-    find nothing when no limit is set)."""
-    return hand_on(conn, collections.Counter(slots_of(run)), enqueue)
+    find nothing when no limit is set; none for a kind that ``waiting`` leaves out,
+    which :func:`waiting_of` said nobody waits for)."""
+    kinds = set(waiting)
+    return hand_on(conn, collections.Counter(s for s in slots_of(run) if s[0] in kinds),
+                   enqueue)
 
 
 def dispatch_freed(conn: sqlite3.Connection, runs: Iterable[dict[str, Any]],

@@ -5,6 +5,7 @@ one ledger").  The tests that need a server use RUNSTILE_TEST_DATABASE_URL
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import re
 
@@ -263,6 +264,83 @@ def test_rows_read_by_position_and_by_name_and_booleans_land_as_integers(pg_url)
                        "started_at, finished_at, counts) VALUES (?, 1, 'boot', 0, 0, '{}')",
                        ("n",))
     assert cur.lastrowid == 1 and cur.fetchone() is None
+
+
+class RoundTrips:
+    """Counts the round trips a PgConnection makes to its server: a statement executed
+    alone is one, and so is a pipeline, whatever it carries."""
+
+    def __init__(self, conn) -> None:
+        self.count, self._depth, raw = 0, 0, conn._raw
+        execute, pipeline = raw.execute, raw.pipeline
+
+        def counted_execute(*args, **kwargs):
+            self.count += self._depth == 0
+            return execute(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def counted_pipeline():
+            self.count += self._depth == 0
+            self._depth += 1
+            try:
+                with pipeline() as p:
+                    yield p
+            finally:
+                self._depth -= 1
+
+        raw.execute, raw.pipeline = counted_execute, counted_pipeline
+
+
+def test_a_batch_pays_one_round_trip_per_statement_and_its_savepoints_ride_along(pg_url):
+    """What the writer lock is held for: BEGIN with the lock, each unit's statements, and
+    the COMMIT, while the savepoint around each unit (db.transaction nested) travels with
+    the statement after it instead of alone."""
+    migrations.migrate(pg_url)
+    conn = db.connect(pg_url)
+    trips = RoundTrips(conn)
+    with db.transaction(conn):
+        for name in ("a", "b", "c"):
+            with db.transaction(conn):
+                conn.execute("INSERT INTO profiles (id, created_at) VALUES (?, 0)", (name,))
+    assert trips.count == 1 + 3 + 1
+    assert [r[0] for r in conn.execute("SELECT id FROM profiles ORDER BY id")] == ["a", "b", "c"]
+
+
+def test_a_unit_that_fails_inside_its_deferred_savepoint_rolls_back_alone(pg_url):
+    """A group commit's unit that fails after writing (here: a uniqueness violation in
+    its second statement) is undone to its own savepoint; the units before and after it
+    commit, as they would with every savepoint sent alone."""
+    migrations.migrate(pg_url)
+    conn = db.connect(pg_url)
+    with db.transaction(conn):
+        with db.transaction(conn):
+            conn.execute("INSERT INTO profiles (id, created_at) VALUES ('before', 0)")
+        with pytest.raises(ConstraintViolation):
+            with db.transaction(conn):
+                conn.execute("INSERT INTO profiles (id, created_at) VALUES ('failed', 0)")
+                conn.execute("INSERT INTO profiles (id, created_at) VALUES ('before', 1)")
+        with pytest.raises(ValueError):
+            with db.transaction(conn):  # fails before any statement: nothing was sent
+                raise ValueError
+        with db.transaction(conn):
+            conn.execute("INSERT INTO profiles (id, created_at) VALUES ('after', 0)")
+    assert not conn.in_transaction
+    assert [r[0] for r in conn.execute("SELECT id FROM profiles ORDER BY id")] == [
+        "after", "before"]
+
+
+def test_a_lock_timeout_at_begin_leaves_no_transaction_and_nothing_deferred(pg_url):
+    migrations.migrate(pg_url)
+    holder, waiter = db.connect(pg_url), db.connect(pg_url, busy_timeout_ms=50)
+    with db.transaction(holder):
+        with pytest.raises(LedgerUnavailable, match="lock timeout"):
+            with db.transaction(waiter):
+                pass
+    assert not waiter.in_transaction and waiter._deferred == []
+    with db.transaction(waiter):
+        with db.transaction(waiter):
+            waiter.execute("INSERT INTO profiles (id, created_at) VALUES ('p', 0)")
+    assert waiter.execute("SELECT COUNT(*) FROM profiles").fetchone()[0] == 1
 
 
 def test_statements_are_translated_once_into_postgresqls_spelling():
