@@ -11,12 +11,12 @@ Dramatiq, no ledger): ``RunContext`` and ``Stopped`` are imported on first use.
 
 from typing import TYPE_CHECKING, Any
 
-from .client import Client
 from .config import Settings
 from .errors import RunstileError
 from .tasks import schedule, task
 
 if TYPE_CHECKING:
+    from .client import Client
     from .workers.context import RunContext, Stopped
 
 __all__ = ["Client", "RunContext", "RunstileError", "Settings", "Stopped", "schedule", "task"]
@@ -30,4 +30,9 @@ def __getattr__(name: str) -> Any:
     if name in _WORKER_SIDE:
         from .workers import context
         return getattr(context, name)
+    if name == "Client":
+        # On first use too: the HTTP client's modules (http.client, the email parser) are
+        # about 45 ms that no server process needs at its start.
+        from .client import Client
+        return Client
     raise AttributeError(f"module 'runstile' has no attribute {name!r}")

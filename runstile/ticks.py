@@ -22,9 +22,8 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import ModuleType
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-from croniter import CroniterError, croniter
 
 from .errors import ConfigError
 
@@ -46,13 +45,14 @@ class Ticks:
         if self.every_s is not None:
             return float((math.floor(now / self.every_s) + 1) * self.every_s)
         zone = ZoneInfo(self.zone)
-        it = croniter(self.cron, _wall(math.floor(now), zone))
+        cron = _croniter()
+        it = cron.croniter(self.cron, _wall(math.floor(now), zone))
         try:
             while True:  # past a repeated hour's second pass: first occurrences are behind
                 tick = instant(it.get_next(datetime), zone)
                 if tick > now:
                     return tick
-        except CroniterError:
+        except cron.CroniterError:
             return None
 
     def due(self, after: float, now: float, limit: int) -> list[float]:
@@ -68,7 +68,8 @@ class Ticks:
         zone = ZoneInfo(self.zone)
         start = _wall(math.floor(now) + 1, zone)  # get_prev is strict: include now
         found: list[float] = []
-        it = croniter(self.cron, start + _second_pass(math.floor(now) + 1, zone))
+        cron = _croniter()
+        it = cron.croniter(self.cron, start + _second_pass(math.floor(now) + 1, zone))
         try:
             while len(found) < limit:
                 tick = instant(it.get_prev(datetime), zone)
@@ -76,9 +77,17 @@ class Ticks:
                     break  # instants follow wall times: every earlier one is older still
                 if tick <= now and (not found or tick != found[-1]):
                     found.append(tick)
-        except CroniterError:
+        except cron.CroniterError:
             pass  # no earlier match at all
         return found[::-1]
+
+
+def _croniter() -> ModuleType:
+    """croniter, imported when a cron expression is first read: its import runs the
+    ``file`` command on the interpreter (platform.architecture), about 50 ms that every
+    runstile process paid at start, schedules or not."""
+    import croniter
+    return croniter
 
 
 def _wall(t: float, zone: ZoneInfo) -> datetime:
@@ -138,7 +147,7 @@ def check(name: str, cron: str | None, every_s: object, zone: str) -> Ticks:
             raise ConfigError(f"schedule {name!r}: every_s must be a whole number of seconds "
                               f"from 1 to {366 * 86400} (got {every_s!r})")
         return Ticks(every_s=every_s, zone=zone)
-    if not isinstance(cron, str) or not croniter.is_valid(cron):
+    if not isinstance(cron, str) or not _croniter().croniter.is_valid(cron):
         raise ConfigError(f"schedule {name!r}: invalid cron expression {cron!r}")
     ticks = Ticks(cron=cron, zone=zone)
     if ticks.next_after(time.time()) is None:

@@ -46,6 +46,8 @@ def migrate(url: str, versions: list[int], *, busy_timeout_ms: int = 5000) -> in
             raise LedgerCorrupt(
                 f"the ledger is at schema version {start}, newer than this runstile "
                 f"({versions[-1]}); upgrade runstile")
+        if start == versions[-1]:
+            return start  # current: no write transaction, no turn of the writer lock
         for version in versions:
             with db.transaction(conn):
                 if current_version(pg) >= version:

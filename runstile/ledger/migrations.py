@@ -84,6 +84,8 @@ def migrate(path: Path | str, *, synchronous: str = "FULL",
                 f"the ledger is at schema version {start}, newer than this runstile "
                 f"({LATEST_VERSION}); upgrade runstile"
             )
+        if start == LATEST_VERSION:
+            return start  # current: no write transaction, no turn of the write lock
         for version, script in MIGRATIONS:
             with db.transaction(conn):
                 if current_version(conn) >= version:

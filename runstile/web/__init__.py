@@ -6,11 +6,9 @@ it learns task names from the registry and hands runs to workers through the led
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
-
-from flask import Flask
-from flask.json.provider import DefaultJSONProvider
+from typing import TYPE_CHECKING, cast
 
 from .. import tasks as registry
 from ..config import Settings
@@ -18,6 +16,9 @@ from ..dispatch import Dispatcher
 from ..ledger.db import ConnectionPool, connect
 from ..ledger.group_commit import GroupCommitter
 from .writer import WriterClient, max_frame
+
+if TYPE_CHECKING:
+    from flask import Flask
 
 
 @dataclass
@@ -41,6 +42,11 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     ``writer_socket``: where ``serve``'s admission writer listens (web/writer/); without
     it the process commits its own admissions.
     """
+    # Flask is imported here, not with the package: the admission writer process
+    # (web/writer/) lives in this package and never serves HTTP.
+    from flask import Flask
+    from flask.json.provider import DefaultJSONProvider
+
     from . import approvals, deliveries, errors, metrics, runs, schedules, service, ui
 
     app = Flask("runstile")
@@ -48,22 +54,13 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     json_provider.sort_keys = False
     json_provider.compact = True
     tasks = registry.load(settings.tasks)
-    own = GroupCommitter(lambda: connect(
-        settings.ledger_target, synchronous=settings.synchronous,
-        busy_timeout_ms=settings.busy_timeout_ms))
-    committer: GroupCommitter | WriterClient = own
-    if writer_socket is not None:
-        committer = WriterClient(writer_socket, own,
-                                 timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
-                                 max_frame=max_frame(settings),
-                                 on_unreachable=metrics.WRITER_UNREACHABLE.inc)
     dispatcher = Dispatcher(settings)
     app.extensions["runstile"] = WebState(
         settings=settings,
         dispatcher=dispatcher,
         pool=dispatcher.pool(),
         task_names=frozenset(tasks),
-        committer=committer,
+        committer=_committer(settings, writer_socket, metrics.WRITER_UNREACHABLE.inc),
         metrics_dir=metrics_dir,
     )
     errors.install(app)
@@ -74,3 +71,17 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     app.register_blueprint(schedules.blueprint)
     ui.install(app, settings)  # the dashboard at /ui/ (docs/dashboard.md)
     return app
+
+
+def _committer(settings: Settings, writer_socket: str | None,
+               on_unreachable: Callable[[], None]) -> GroupCommitter | WriterClient:
+    """Where this process's admissions commit: its own group committer, or ``serve``'s
+    admission writer, with that committer to fall back on when the writer cannot be
+    reached."""
+    own = GroupCommitter(lambda: connect(
+        settings.ledger_target, synchronous=settings.synchronous,
+        busy_timeout_ms=settings.busy_timeout_ms))
+    if writer_socket is None:
+        return own
+    return WriterClient(writer_socket, own, timeout_s=settings.busy_timeout_ms / 1000 + 5.0,
+                        max_frame=max_frame(settings), on_unreachable=on_unreachable)
