@@ -21,7 +21,14 @@ import time
 import pytest
 
 from tests.chaos.harness import PROFILE
-from tests.conftest import Api, System, new_ledger, wait_for_status, wait_until
+from tests.conftest import (
+    Api,
+    System,
+    new_ledger,
+    running_in_group,
+    wait_for_status,
+    wait_until,
+)
 
 #: A short drain timeout keeps many starts and stops within the test's budget.
 DRAIN_S = 1.0
@@ -31,24 +38,6 @@ BUDGET_S = DRAIN_S + 5.0
 #: seven times in ten; the chaos profile's soak below runs enough to be all but sure.
 ROUNDS = 8
 SOAK_ROUNDS = 12 if PROFILE == "short" else 40
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Processes of group ``pgid`` that still run (zombies have exited)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the command name, which may hold spaces: state ppid pgrp ...
-        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            alive.append(int(entry))
-    return alive
 
 
 def describe(pids: list[int]) -> str:
@@ -118,15 +107,15 @@ def stop_in_a_storm(ledger, rng: random.Random, round_: int) -> None:
     for run in runs:
         wait_for_status(api, run["id"], ("running",))
     pgid = system.proc.pid
-    assert len(group_alive(pgid)) >= 5, "supervisor, web master and worker, writer, worker"
+    assert len(running_in_group(pgid)) >= 5, "supervisor, web master and worker, writer, worker"
     started = time.monotonic()
     sent = signal_storm(pgid, rng)
     try:
-        wait_until(lambda: system.proc.poll() is not None and not group_alive(pgid),
+        wait_until(lambda: system.proc.poll() is not None and not running_in_group(pgid),
                    BUDGET_S, 0.02, "every process of the group to exit")
     except AssertionError:
         raise AssertionError(
             f"round {round_ + 1}: after {sent}, still running after {BUDGET_S}s:\n"
-            f"{describe(group_alive(pgid))}\n{system.log()[-3000:]}") from None
+            f"{describe(running_in_group(pgid))}\n{system.log()[-3000:]}") from None
     assert time.monotonic() - started <= BUDGET_S
     assert system.proc.returncode == 0, system.log()[-3000:]

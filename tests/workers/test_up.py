@@ -12,12 +12,7 @@ import time
 import pytest
 import requests
 
-from tests.conftest import ROOT, free_port, wait_until
-
-
-def group_members(pgid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+from tests.conftest import ROOT, free_port, running_in_group, wait_until
 
 
 def start_up(tmp_path, port):
@@ -52,7 +47,7 @@ def test_up_runs_a_demo_task_and_shuts_down_with_no_orphan(tmp_path, how):
             requests.get(url + f"/v1/runs/{run['id']}", headers=headers, timeout=10).json()),
             30, 0.05, "the demo run")
         assert done["result"] == {"reply": "You said: hi"}
-        members = group_members(proc.pid)
+        members = running_in_group(proc.pid)
         assert len(members) >= 4, "supervisor, web master + worker, 2 worker processes"
         if how == "sigint_to_the_group":
             os.killpg(proc.pid, signal.SIGINT)
@@ -61,9 +56,9 @@ def test_up_runs_a_demo_task_and_shuts_down_with_no_orphan(tmp_path, how):
                 proc.send_signal(signal.SIGTERM)
                 time.sleep(0.05)
         assert proc.wait(timeout=40) == 0
-        wait_until(lambda: not group_members(proc.pid), 10, 0.05, "every child to exit")
+        wait_until(lambda: not running_in_group(proc.pid), 10, 0.05, "every child to exit")
     finally:
-        if proc.poll() is None or group_members(proc.pid):
+        if proc.poll() is None or running_in_group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "Traceback" not in log.read_text()
 
