@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config_values as values_of
+from . import processes
 from .errors import ConfigError, redact_url
 
 #: Variables whose value may hold a password: shown redacted in every error.
@@ -234,11 +235,10 @@ def new_metrics_folder() -> str:
             if old.stat().st_uid != os.getuid():
                 continue
             pid = int((old / "owner").read_text())
-            os.kill(pid, 0)  # raises ProcessLookupError when the owner is gone
-        except ProcessLookupError:
-            shutil.rmtree(old, ignore_errors=True)
         except (OSError, ValueError):
             continue  # no owner file (an older runstile), unreadable, or not ours to end
+        if processes.exited(pid):
+            shutil.rmtree(old, ignore_errors=True)
     folder = tempfile.mkdtemp(prefix=METRICS_FOLDER_PREFIX)
     (Path(folder) / "owner").write_text(str(os.getpid()))
     return folder

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import socket
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from .. import crashpoints, dispatch
+from .. import crashpoints, dispatch, processes
 from .. import tasks as registry
 from ..config import Settings
 from ..errors import LedgerUnavailable
@@ -276,13 +275,11 @@ def _release_dead_consumers(p: _Pass) -> None:
     later; a delayed run's message keeps its eta (docs/api.md, "Delayed runs").  A pid
     that is alive (perhaps reused) is left to the timeout."""
     for consumer_id, pid in broker_queue.consumers_on(p.conn, socket.gethostname()):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        # A zombie counts as gone: the workers of a tree SIGKILLed a moment ago may not
+        # be reaped yet when the node starts again.
+        if processes.exited(pid):
             p.report.counts["messages_released"] += broker_queue.close_consumer(
                 p.conn, consumer_id)
-        except PermissionError:
-            pass  # alive, another user's
 
 
 def _republish(p: _Pass) -> None:

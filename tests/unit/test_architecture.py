@@ -19,17 +19,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "runstile"
 #: Imports point one way: foundations -> ledger -> dispatch -> web | workers | recovery
 #: -> up -> cli.  ``client`` stands apart: it imports nothing of the server side.
 FOUNDATIONS = {"errors", "config", "config_values", "crashpoints", "filemodes", "fingerprint", "jsondepth",
-               "netguard", "nodelock", "objects", "queues", "signals", "tasks", "ticks",
-               "webhooks", "logs", "__version__"}
+               "netguard", "nodelock", "objects", "processes", "queues", "signals", "tasks",
+               "ticks", "webhooks", "logs", "__version__"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"config_values", "errors"},
+    "config": {"config_values", "errors", "processes"},
     "config_values": {"errors", "queues"},  # the settings' parsers, for config
     "crashpoints": {"config"},
     "fingerprint": {"errors"},
     "jsondepth": set(),
     "filemodes": set(),
     "signals": set(),
+    "processes": set(),  # whether a pid has exited (a zombie has)
     "logs": set(),
     "netguard": {"errors"},
     "nodelock": {"errors", "filemodes"},
