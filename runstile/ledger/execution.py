@@ -64,11 +64,13 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
           task_known: Callable[[str], bool], enqueue: Enqueue | None = None,
           max_running_per_profile: int | None = None,
           task_limit: Callable[[str], int | None] | None = None,
-          delivery: Delivery | None = None) -> Claim:
+          delivery: Delivery | None = None, unlimited_tasks: str | None = None) -> Claim:
     """queued -> running for ``owner``, or queued -> failed(unknown_task); one transaction.
 
     ``task_known`` and ``task_limit`` (a task's concurrency, None: unlimited) are what
     the claiming worker's registry says; ``max_running_per_profile`` is its setting.
+    ``unlimited_tasks``: a JSON array of task names the registry knows and does not limit
+    (a subset is fine, a name outside it never), for the plain claim below.
     ``delivery``: the embedded broker's row of the message being processed, acked in
     this same transaction whatever the claim decides -- once it has decided, the message
     has done its work: a claimed run is recovery's from here (its lease), a refused one
@@ -81,9 +83,31 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
     with db.transaction(conn):
         if delivery is not None:
             broker_queue.ack_in(conn, delivery.delivery_id, delivery.consumer_id)
+        if unlimited_tasks is not None and max_running_per_profile is None:
+            plain = _start_plain(conn, run_id, owner, lease_s, unlimited_tasks)
+            if plain is not None:
+                return plain
         return _decide(conn, run_id, owner, lease_s=lease_s, task_known=task_known,
                        enqueue=enqueue, max_running_per_profile=max_running_per_profile,
                        task_limit=task_limit)
+
+
+def _start_plain(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float,
+                 unlimited_tasks: str) -> Claim | None:
+    """The claim of a run nothing can refuse, in one guarded UPDATE instead of a read
+    and then the UPDATE: no session, a task the worker knows and does not limit, and no
+    profile cap (the caller's to know).  For such a run that is due, :func:`_decide` would
+    find no refusal and call :func:`_start`: this is that UPDATE (whose guard already
+    holds "queued and due") with those facts added to its guard, so it wins exactly when
+    _decide would have started the run.
+    None when the guard does not hold (any other run, or one no longer queued): the
+    caller decides as ever.  (Each statement is a round trip to a PostgreSQL ledger,
+    paid under its writer lock.)"""
+    started = _start(conn, run_id, owner, lease_s,
+                     guard=f" AND session_key IS NULL AND task IN "
+                           f"{db.dialect(conn).json_array_values()}",
+                     guard_args=(unlimited_tasks,))
+    return started if started.run is not None else None
 
 
 def _decide(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
@@ -132,15 +156,17 @@ def _due(conn: sqlite3.Connection, row: dict[str, Any]) -> bool:
     return bool(conn.execute(f"SELECT ? <= {NOW}", (row["not_before"],)).fetchone()[0])
 
 
-def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float) -> Claim:
-    """queued -> running for ``owner``, in the claim's transaction; its marks go."""
+def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float, *,
+           guard: str = "", guard_args: tuple[Any, ...] = ()) -> Claim:
+    """queued -> running for ``owner``, in the claim's transaction; its marks go.
+    ``not_queued`` when the guard (queued and due, and ``guard``) does not hold."""
     run = conn.execute(
         "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
         f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
         f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, interruption = NULL, "
         f"{', '.join(f'{mark} = NULL' for mark in SLOT_MARKS)} WHERE id = ? AND "
-        f"status = 'queued' AND {due()} RETURNING *",
-        (*_owner_args(owner), lease_s, run_id)).fetchone()
+        f"status = 'queued' AND {due()}{guard} RETURNING *",
+        (*_owner_args(owner), lease_s, run_id, *guard_args)).fetchone()
     if run is None:
         return Claim(None, "not_queued")
     run = dict(run)

@@ -72,6 +72,11 @@ class Executor:
         self.executions, self.pool = executions, pool
         self.dispatcher = dispatcher
         self.committer = GroupCommitter(pool.open)
+        #: The tasks a claim may start without reading the run first (ledger/execution.py
+        #: ``_start_plain``): registered here, with no concurrency limit.  Read once: a
+        #: task registered later is only slower to claim, never claimed wrongly.
+        self.unlimited_tasks = json.dumps(sorted(
+            name for name, limit in registry.concurrencies().items() if limit is None))
 
     def owner(self) -> Owner:
         return Owner(self.node, self.generation, os.getpid(), threading.get_ident())
@@ -98,7 +103,7 @@ class Executor:
                 task_known=lambda name: registry.get(name) is not None,
                 task_limit=registry.concurrency_of,
                 max_running_per_profile=self.settings.max_running_per_profile,
-                delivery=delivery))
+                delivery=delivery, unlimited_tasks=self.unlimited_tasks))
         except LedgerUnavailable as exc:
             # The run stays queued; try the message again shortly instead of losing it.
             # (The committer reopens its own connection after a failed batch.)
