@@ -91,14 +91,20 @@ NewMessage = tuple[str, str, bytes, float | None, str | None, int]
 def insert_messages(conn: sqlite3.Connection, messages: Sequence[NewMessage]) -> None:
     """:func:`insert_message` for several messages with one statement (a batch of
     admissions).  Runs in the caller's transaction."""
+    sql, args = insert_messages_statement(messages)
+    with db.ledger_errors():
+        conn.execute(sql, args)
+
+
+def insert_messages_statement(messages: Sequence[NewMessage]) -> db.Statement:
+    """The one INSERT of :func:`insert_messages`, for a caller that sends it with others
+    (db.together)."""
     args: list[object] = []
     for queue_name, message_id, body, eta, run_id, priority in messages:
         args += (queue_name, message_id, sqlite3.Binary(body), eta, run_id, int(priority))
-    with db.ledger_errors():
-        conn.execute("INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
-                     "enqueued_at, run_id, priority) VALUES "
-                     + ", ".join([f"(?, ?, ?, ?, '{READY}', {NOW}, ?, ?)"] * len(messages)),
-                     args)
+    return ("INSERT INTO broker_messages (queue_name, message_id, body, eta, state, "
+            "enqueued_at, run_id, priority) VALUES "
+            + ", ".join([f"(?, ?, ?, ?, '{READY}', {NOW}, ?, ?)"] * len(messages)), args)
 
 
 def register_consumer(conn: sqlite3.Connection, info: ConsumerInfo) -> None:

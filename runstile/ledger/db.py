@@ -17,9 +17,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from ..filemodes import private_file
@@ -35,6 +35,9 @@ __all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "dialect", "is_database_u
 #: A write refused by a uniqueness or check constraint, on either engine: a race that the
 #: caller answers (a replay, a 409), never a 503.
 INTEGRITY_ERRORS: tuple[type[Exception], ...] = (sqlite3.IntegrityError, ConstraintViolation)
+
+#: One statement and its parameters, for :func:`together`.
+Statement = tuple[str, Sequence[Any]]
 
 
 def dialect(conn: object) -> SqliteDialect:
@@ -218,6 +221,11 @@ class LedgerConnection(sqlite3.Connection):
                 with ledger_errors():
                     self.execute(f"PRAGMA synchronous = {self.synchronous}")
 
+    def execute_together(self, statements: Sequence[Statement]) -> list[sqlite3.Cursor]:
+        """Run ``statements`` in order; their cursors.  A PostgreSQL connection sends them
+        in one round trip (db_postgresql.PgConnection.execute_together)."""
+        return [self.execute(sql, args) for sql, args in statements]
+
     def defer(self, sql: str) -> None:
         """Run ``sql``, a statement whose answer nobody reads.  A PostgreSQL connection
         sends it with the next statement instead (db_postgresql.PgConnection.defer);
@@ -227,6 +235,18 @@ class LedgerConnection(sqlite3.Connection):
     def time_limit(self, seconds: float,
                    timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
         return _progress_deadline(self, seconds, timeout)
+
+
+def together(conn: sqlite3.Connection, statements: Sequence[Statement]) -> list[Any]:
+    """Execute ``statements``, none of which needs another's answer, in order; return
+    their cursors.  On PostgreSQL they travel in one round trip (a pipeline) instead of
+    one each: inside a write transaction each round trip is paid under the writer lock.
+    An error is raised once all were sent, by this call, so it still belongs to the
+    caller's transaction or savepoint; the statements after the one that failed did not
+    run."""
+    with ledger_errors():
+        cursors: list[Any] = cast(LedgerConnection, conn).execute_together(statements)
+    return cursors
 
 
 def owe_publish(conn: sqlite3.Connection, dispatch_id: int, run_id: str,

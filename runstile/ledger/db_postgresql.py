@@ -207,6 +207,21 @@ class PgConnection:
                 cursor.executemany(pg_sql, rows)
             return PgCursor(cursor, None)
 
+    def execute_together(self, statements: Sequence[tuple[str, Any]]) -> list[PgCursor]:
+        """Execute ``statements`` (and what was deferred) in one pipeline, one round trip;
+        their cursors, read once all came back (db.together).  The first error is raised
+        at the end, and the statements after it did not run."""
+        translated = [(translate(sql), params) for sql, params in statements]
+        writes = next((sql for sql, _ in statements if _WRITE.match(sql)), "")
+        with self._alone(writes):
+            with _classified(), self._pipeline():
+                sent = []
+                for (pg_sql, style, row_id), params in translated:
+                    args = params_for(style, params)
+                    self._traced(pg_sql, args)
+                    sent.append((self._raw.execute(pg_sql, args), row_id))
+            return [PgCursor(cursor, row_id) for cursor, row_id in sent]
+
     def defer(self, sql: str) -> None:
         """Send ``sql`` with the next statement, in its round trip, instead of alone: for
         statements whose answer nobody reads (a savepoint set or released, db._savepoint).
@@ -218,14 +233,16 @@ class PgConnection:
         self._traced(sql, None)
         self._deferred.append(sql)
 
+    def _with_deferred(self) -> contextlib.AbstractContextManager[None]:
+        """:meth:`_pipeline` when something was deferred; else nothing (a statement alone
+        goes as it is)."""
+        return self._pipeline() if self._deferred else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def _with_deferred(self) -> Iterator[None]:
-        """A pipeline that sends the deferred statements ahead of the one executed in the
+    def _pipeline(self) -> Iterator[None]:
+        """A pipeline that sends the deferred statements ahead of those executed in the
         block, all in one round trip (psycopg's pipeline mode: the answers are read when
         the block ends, and the first error is raised then)."""
-        if not self._deferred:
-            yield
-            return
         deferred, self._deferred = self._deferred, []
         with self._raw.pipeline():
             for sql in deferred:

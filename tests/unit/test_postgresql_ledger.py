@@ -329,6 +329,29 @@ def test_a_unit_that_fails_inside_its_deferred_savepoint_rolls_back_alone(pg_url
         "after", "before"]
 
 
+def test_a_batch_of_admissions_pays_six_round_trips_however_many_it_holds(pg_url):
+    """The admission writer's batch (ledger/admission_rows.py): BEGIN with the lock, the
+    batch's keys, the profile's capacity, the runs with the next dispatch id, every other
+    row (keys, dispatches, events, broker messages) together, and the COMMIT."""
+    from runstile import dispatch
+    from runstile.config import Settings
+    from runstile.ledger import admission, group_commit
+
+    migrations.migrate(pg_url)
+    conn = db.connect(pg_url)
+    principal = keys.authenticate(conn, keys.create(conn, "p")[1])
+    enqueue = dispatch.Dispatcher(Settings()).in_transaction
+    for size in (1, 5):
+        units = [group_commit.Unit(admission.Reservation(
+            ledger_fill.request(principal, key=f"k{size}-{i}"), None, 1000, enqueue))
+            for i in range(size)]
+        trips = RoundTrips(conn)
+        group_commit._commit(conn, units)
+        assert all(u.error is None and u.result.replayed is False for u in units)
+        assert trips.count == 6, size
+    assert conn.execute("SELECT COUNT(*) FROM broker_messages").fetchone()[0] == 6
+
+
 def test_a_lock_timeout_at_begin_leaves_no_transaction_and_nothing_deferred(pg_url):
     migrations.migrate(pg_url)
     holder, waiter = db.connect(pg_url), db.connect(pg_url, busy_timeout_ms=50)
