@@ -29,7 +29,7 @@ import dramatiq
 
 from .config import Settings
 from .errors import RunstileError
-from .ledger import broker_queue, db, dispatches, obligations
+from .ledger import broker_queue, db, dispatches, obligations, owed
 from .ledger.owed import Owed
 from .ledger.runs import Enqueue, eta_ms, publish_wait, wait_of
 from .queues import DEFAULT_QUEUE, DELIVERY_QUEUE, queue_of
@@ -109,7 +109,7 @@ class _PublishAfterCommit:
         self.delay_s = delay_s
 
     def __call__(self, conn: sqlite3.Connection, run: dict[str, Any], dispatch_id: int) -> None:
-        db.owe_publish(conn, dispatch_id, run["id"], max(self.delay_s, publish_wait(run)),
+        owed.owe_publish(conn, dispatch_id, run["id"], max(self.delay_s, publish_wait(run)),
                        priority_of(run), queue_of(run))
 
     def message(self, run: dict[str, Any], dispatch_id: int) -> None:

@@ -54,20 +54,17 @@ def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
         _runs_statement(fresh, now), ("SELECT COALESCE(MAX(id), 0) + 1 FROM dispatches", ())])
     # (After an INSERT, lastrowid is the last new row's id: never None.)
     last_seq, first_dispatch = cast(int, inserted.lastrowid), next_dispatch.fetchone()[0]
-    written: list[tuple[int, dict[str, Any], int]] = []
+    written = [(i, _run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now),
+                first_dispatch + j) for j, (i, res, run_id) in enumerate(fresh)]
+    # (AUTOINCREMENT numbers the rows of one INSERT consecutively, in VALUES order.)
     messages: list[broker_queue.NewMessage] = []
     owed: list[tuple[Enqueue, dict[str, Any], int]] = []
-    for j, (i, res, run_id) in enumerate(fresh):
-        # AUTOINCREMENT numbers the rows of one INSERT consecutively, in VALUES order.
-        run = _run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now)
-        dispatch_id = first_dispatch + j
-        if res.enqueue is not None:
-            message = res.enqueue.message(run, dispatch_id)
-            if message is not None:
-                messages.append(message)
-            else:
-                owed.append((res.enqueue, run, dispatch_id))
-        written.append((i, run, dispatch_id))
+    for (_, res, _), (_, run, dispatch_id) in zip(fresh, written, strict=True):
+        message = None if res.enqueue is None else res.enqueue.message(run, dispatch_id)
+        if message is not None:
+            messages.append(message)
+        elif res.enqueue is not None:
+            owed.append((res.enqueue, run, dispatch_id))
     keyed = _keys_statement(fresh, now)
     statements = [] if keyed is None else [keyed]
     statements += [_dispatches_statement(fresh, now, first_dispatch),

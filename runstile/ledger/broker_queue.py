@@ -237,9 +237,15 @@ def ack_in(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool
     """:func:`ack` inside the caller's transaction: the run's claim acks the message that
     brought it in its own transaction (ledger/execution.py), so a run costs no commit of
     its own for the ack.  True if the row was still this consumer's."""
-    return conn.execute(
-        f"DELETE FROM broker_messages WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
-        (delivery_id, consumer_id)).rowcount > 0
+    sql, args = ack_in_statement(delivery_id, consumer_id)
+    return conn.execute(sql, args).rowcount > 0
+
+
+def ack_in_statement(delivery_id: int, consumer_id: str) -> db.Statement:
+    """The DELETE of :func:`ack_in`, for a claim that sends it with its own UPDATE
+    (db.together)."""
+    return (f"DELETE FROM broker_messages WHERE id = ? AND claimed_by = ? AND "
+            f"state = '{CLAIMED}'", (delivery_id, consumer_id))
 
 
 def dead_letter(conn: sqlite3.Connection, delivery_id: int, consumer_id: str) -> bool:

@@ -249,22 +249,6 @@ def together(conn: sqlite3.Connection, statements: Sequence[Statement]) -> list[
     return cursors
 
 
-def owe_publish(conn: sqlite3.Connection, dispatch_id: int, run_id: str,
-                delay_s: float = 0.0, priority: int = 5, queue: str = "default") -> None:
-    """The transaction in progress wrote dispatch record ``dispatch_id`` unsent (of a run
-    of ``priority`` on ``queue``, which its message carries and goes to)."""
-    owed: Owed | None = getattr(conn, "owed", None)  # a ledger connection, either engine
-    if owed is not None:
-        owed.publish.append((dispatch_id, run_id, delay_s, priority, queue))
-
-
-def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:
-    """The transaction in progress may have created an obligation of ``run_id``."""
-    owed: Owed | None = getattr(conn, "owed", None)
-    if owed is not None:
-        owed.deliveries.append(run_id)
-
-
 def row_transaction(
         conn: sqlite3.Connection, *,
         durable: bool = True) -> contextlib.AbstractContextManager[sqlite3.Connection]:

@@ -8,7 +8,7 @@ import sqlite3
 from typing import Any
 
 from ..jsondepth import loads_for_reading
-from . import db
+from . import db, owed
 from .db import NOW
 
 #: The event types that the trigger ``obligations_from_events`` (migration 2) turns into
@@ -30,7 +30,7 @@ def append(conn: sqlite3.Connection, run_id: str, type_: str, data: object = Non
     (and its settlement looks nothing up).
     """
     if type_ in CALLBACK_EVENTS and (run is None or run.get("callback_url") is not None):
-        db.owe_deliveries(conn, run_id)
+        owed.owe_deliveries(conn, run_id)
     row = conn.execute(
         "INSERT INTO events (run_id, seq, type, data, created_at) "
         f"SELECT ?, COALESCE(MAX(seq), 0) + 1, ?, ?, {NOW} FROM events WHERE run_id = ? "

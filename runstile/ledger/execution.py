@@ -81,33 +81,36 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
     them and the loser's UPDATE finds status != 'queued' and changes nothing.
     """
     with db.transaction(conn):
-        if delivery is not None:
-            broker_queue.ack_in(conn, delivery.delivery_id, delivery.consumer_id)
+        acks = [] if delivery is None else [
+            broker_queue.ack_in_statement(delivery.delivery_id, delivery.consumer_id)]
         if unlimited_tasks is not None and max_running_per_profile is None:
-            plain = _start_plain(conn, run_id, owner, lease_s, unlimited_tasks)
-            if plain is not None:
-                return plain
+            # The ack and the plain claim need nothing of each other: one round trip.
+            *_, plain = db.together(conn, [*acks, _start_plain(conn, run_id, owner, lease_s,
+                                                               unlimited_tasks)])
+            row = plain.fetchone()
+            if row is not None:
+                return _started(conn, dict(row), owner)
+        elif acks:
+            db.together(conn, acks)
         return _decide(conn, run_id, owner, lease_s=lease_s, task_known=task_known,
                        enqueue=enqueue, max_running_per_profile=max_running_per_profile,
                        task_limit=task_limit)
 
 
 def _start_plain(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float,
-                 unlimited_tasks: str) -> Claim | None:
+                 unlimited_tasks: str) -> db.Statement:
     """The claim of a run nothing can refuse, in one guarded UPDATE instead of a read
     and then the UPDATE: no session, a task the worker knows and does not limit, and no
     profile cap (the caller's to know).  For such a run that is due, :func:`_decide` would
     find no refusal and call :func:`_start`: this is that UPDATE (whose guard already
     holds "queued and due") with those facts added to its guard, so it wins exactly when
-    _decide would have started the run.
-    None when the guard does not hold (any other run, or one no longer queued): the
-    caller decides as ever.  (Each statement is a round trip to a PostgreSQL ledger,
-    paid under its writer lock.)"""
-    started = _start(conn, run_id, owner, lease_s,
-                     guard=f" AND session_key IS NULL AND task IN "
-                           f"{db.dialect(conn).json_array_values()}",
-                     guard_args=(unlimited_tasks,))
-    return started if started.run is not None else None
+    _decide would have started the run.  When it returns no row (any other run, or one
+    no longer queued) the caller decides as ever.  (Each statement is a round trip to a
+    PostgreSQL ledger, paid under its writer lock.)"""
+    return _start_statement(run_id, owner, lease_s,
+                            guard=f" AND session_key IS NULL AND task IN "
+                                  f"{db.dialect(conn).json_array_values()}",
+                            guard_args=(unlimited_tasks,))
 
 
 def _decide(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float,
@@ -156,21 +159,29 @@ def _due(conn: sqlite3.Connection, row: dict[str, Any]) -> bool:
     return bool(conn.execute(f"SELECT ? <= {NOW}", (row["not_before"],)).fetchone()[0])
 
 
-def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float, *,
-           guard: str = "", guard_args: tuple[Any, ...] = ()) -> Claim:
+def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float) -> Claim:
     """queued -> running for ``owner``, in the claim's transaction; its marks go.
-    ``not_queued`` when the guard (queued and due, and ``guard``) does not hold."""
-    run = conn.execute(
-        "UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
-        f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
-        f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, interruption = NULL, "
-        f"{', '.join(f'{mark} = NULL' for mark in SLOT_MARKS)} WHERE id = ? AND "
-        f"status = 'queued' AND {due()}{guard} RETURNING *",
-        (*_owner_args(owner), lease_s, run_id, *guard_args)).fetchone()
+    ``not_queued`` when the guard (queued and due) does not hold."""
+    run = conn.execute(*_start_statement(run_id, owner, lease_s)).fetchone()
     if run is None:
         return Claim(None, "not_queued")
-    run = dict(run)
-    events.append(conn, run_id, "run.started",
+    return _started(conn, dict(run), owner)
+
+
+def _start_statement(run_id: str, owner: Owner, lease_s: float, *, guard: str = "",
+                     guard_args: tuple[Any, ...] = ()) -> db.Statement:
+    """The guarded UPDATE of a claim: queued and due (and ``guard``) -> running."""
+    return ("UPDATE runs SET status = 'running', owner_node = ?, owner_generation = ?, "
+            f"owner_pid = ?, owner_thread = ?, lease_expires_at = {NOW} + ?, "
+            f"started_at = COALESCE(started_at, {NOW}), updated_at = {NOW}, "
+            f"interruption = NULL, {', '.join(f'{mark} = NULL' for mark in SLOT_MARKS)} "
+            f"WHERE id = ? AND status = 'queued' AND {due()}{guard} RETURNING *",
+            (*_owner_args(owner), lease_s, run_id, *guard_args))
+
+
+def _started(conn: sqlite3.Connection, run: dict[str, Any], owner: Owner) -> Claim:
+    """The run the claim's UPDATE started: its run.started event, in the same transaction."""
+    events.append(conn, run["id"], "run.started",
                   {"attempt": run["attempt"], "owner": owner.as_dict()})
     return Claim(run, "claimed")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ListQueryTimeout
-from . import db, events
+from . import db, events, owed
 from .db import NOW
 
 
@@ -43,7 +43,7 @@ def insert_deliver(conn: sqlite3.Connection, run: dict[str, Any], *, url: str,
         "occurred_at, next_attempt_at, created_at, updated_at) VALUES (?, ?, ?, 'deliver', "
         f"'task.delivery', ?, ?, {NOW}, {NOW}, {NOW}, {NOW})",
         (obligation_id, run["id"], run["profile_id"], url, payload_json))
-    db.owe_deliveries(conn, run["id"])
+    owed.owe_deliveries(conn, run["id"])
     return obligation_id
 
 
@@ -304,7 +304,7 @@ def _decide(conn: sqlite3.Connection, obligation_id: str, by: str, event: str, a
         if row is not None:
             events.append(conn, row["run_id"], event, {"delivery_id": obligation_id, "by": by})
             if row["state"] == "pending":  # re-armed: its next attempt needs a message
-                db.owe_deliveries(conn, row["run_id"])
+                owed.owe_deliveries(conn, row["run_id"])
             return dict(row), True
         current = conn.execute("SELECT * FROM obligations WHERE id = ?",
                                (obligation_id,)).fetchone()

@@ -18,6 +18,7 @@ rows are committed unsent, and recovery sends them (docs/operations.md, "Recover
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass, field
 
 
@@ -48,3 +49,19 @@ class Owed:
         taken = Owed(self.publish, self.deliveries)
         self.publish, self.deliveries = [], []
         return taken
+
+
+def owe_publish(conn: sqlite3.Connection, dispatch_id: int, run_id: str,
+                delay_s: float = 0.0, priority: int = 5, queue: str = "default") -> None:
+    """The transaction in progress wrote dispatch record ``dispatch_id`` unsent (of a run
+    of ``priority`` on ``queue``, which its message carries and goes to)."""
+    owed: Owed | None = getattr(conn, "owed", None)  # a ledger connection, either engine
+    if owed is not None:
+        owed.publish.append((dispatch_id, run_id, delay_s, priority, queue))
+
+
+def owe_deliveries(conn: sqlite3.Connection, run_id: str) -> None:
+    """The transaction in progress may have created an obligation of ``run_id``."""
+    owed: Owed | None = getattr(conn, "owed", None)
+    if owed is not None:
+        owed.deliveries.append(run_id)

@@ -15,7 +15,7 @@ from runstile.config import Settings
 from runstile.ledger import admission, db, execution, keys, obligations
 from runstile.ledger.execution import Owner
 from runstile.ledger.keys import Principal
-from runstile.ledger.owed import Owed
+from runstile.ledger.owed import Owed, owe_deliveries, owe_publish
 
 #: Redis or RabbitMQ: dispatch records are written unsent and their publish is owed.
 AFTER_COMMIT = dispatch.Dispatcher(Settings(broker_url="redis://127.0.0.1:1/0")).enqueue
@@ -89,18 +89,18 @@ def test_a_finish_of_a_run_with_a_callback_owes_its_delivery(owing):
 
 def test_a_transaction_that_rolls_back_owes_nothing(owing):
     with pytest.raises(RuntimeError), db.transaction(owing.conn):
-        db.owe_publish(owing.conn, 1, "run_gone")
+        owe_publish(owing.conn, 1, "run_gone")
         raise RuntimeError("rolled back")
     with db.transaction(owing.conn):
-        db.owe_deliveries(owing.conn, "run_kept")
+        owe_deliveries(owing.conn, "run_kept")
     assert [(o.publish, o.deliveries) for o in owing.paid] == [([], ["run_kept"])]
 
 
 def test_a_savepoint_that_rolls_back_takes_back_only_its_own_debts(owing):
     with db.transaction(owing.conn):
-        db.owe_deliveries(owing.conn, "run_outer")
+        owe_deliveries(owing.conn, "run_outer")
         with pytest.raises(RuntimeError), db.transaction(owing.conn):
-            db.owe_deliveries(owing.conn, "run_inner")
+            owe_deliveries(owing.conn, "run_inner")
             raise RuntimeError("inner rolled back")
     assert [o.deliveries for o in owing.paid] == [["run_outer"]]
 
@@ -118,12 +118,12 @@ def test_what_after_commit_commits_itself_is_not_handed_back_to_it(ledger):
     def pay(conn, owed):
         calls.append(owed)
         with db.transaction(conn):  # as a publisher marking its record sent does
-            db.owe_deliveries(conn, "run_from_the_payment")
+            owe_deliveries(conn, "run_from_the_payment")
 
     conn = db.ConnectionPool(ledger.target, synchronous="OFF", busy_timeout_ms=5000,
                              after_commit=pay).get()
     with db.transaction(conn):
-        db.owe_deliveries(conn, "run_a")
+        owe_deliveries(conn, "run_a")
     assert [o.deliveries for o in calls] == [["run_a"]]
 
 

@@ -352,6 +352,20 @@ def test_a_batch_of_admissions_pays_six_round_trips_however_many_it_holds(pg_url
     assert conn.execute("SELECT COUNT(*) FROM broker_messages").fetchone()[0] == 6
 
 
+def test_a_plain_claim_with_its_ack_pays_four_round_trips(pg_url):
+    """BEGIN with the lock; the message's ack with the plain claim's UPDATE; the
+    run.started event; COMMIT (ledger/execution.py, ``claim``)."""
+    migrations.migrate(pg_url)
+    conn = db.connect(pg_url)
+    principal = keys.authenticate(conn, keys.create(conn, "p")[1])
+    run_id = ledger_fill.admit(conn, principal, key="plain")
+    trips = RoundTrips(conn)
+    claimed = execution.claim(conn, run_id, ledger_fill.OWNER, lease_s=60,
+                              task_known=lambda t: True, unlimited_tasks='["t.work"]',
+                              delivery=execution.Delivery(1, "no-such-consumer"))
+    assert claimed.outcome == "claimed" and trips.count == 4
+
+
 def test_a_lock_timeout_at_begin_leaves_no_transaction_and_nothing_deferred(pg_url):
     migrations.migrate(pg_url)
     holder, waiter = db.connect(pg_url), db.connect(pg_url, busy_timeout_ms=50)
