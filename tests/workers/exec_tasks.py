@@ -25,6 +25,7 @@ def log_line(path: str, line: str) -> None:
 @runstile.task("t.log_start")
 def log_start(ctx, input):
     log_line(input["log"], f"start {ctx.run_id} {ctx.attempt}")
+    time.sleep(input.get("hold_s", 0))  # a body that takes a while, when asked
     return {"n": input.get("n")}
 
 

@@ -471,16 +471,18 @@ def starts_by_run(path: Path) -> collections.Counter:
     return collections.Counter(line.split()[1] for line in lines if line.startswith("start "))
 
 
-def submit(api: Api, log: Path, count: int, *, clients: int = 1) -> list[str]:
-    """``count`` runs of t.log_start, from ``clients`` concurrent clients; their ids in
-    submission order."""
+def submit(api: Api, log: Path, count: int, *, clients: int = 1,
+           hold_s: float = 0.0) -> list[str]:
+    """``count`` runs of t.log_start (each body holding its thread ``hold_s``), from
+    ``clients`` concurrent clients; their ids in submission order."""
     local = threading.local()
 
     def one(i: int) -> str:
         client = getattr(local, "api", None)
         if client is None:
             client = local.api = Api(api.server, api.key, api.ledger)
-        response = client.post_run({"task": "t.log_start", "input": {"log": str(log), "n": i}})
+        response = client.post_run({"task": "t.log_start",
+                                    "input": {"log": str(log), "n": i, "hold_s": hold_s}})
         assert response.status_code == 202, response.text
         assert response.json()["status"] in ("queued", "running", "completed")
         return response.json()["id"]
@@ -524,10 +526,13 @@ def recover(deployment: Deployment, env: dict) -> dict:
 def test_500_runs_on_2_worker_processes_complete_with_one_start_each(deploy, ledger, tmp_path):
     deployment = deploy(STEADY)
     log = tmp_path / "executions.log"
-    # Eight clients, so that work is waiting while a consumer is busy: one client at a
-    # time hands each run to whichever consumer polls first, and on Redis the busy one
-    # (the other backs off while its queue looks empty) can take all 500.
-    ids = submit(deployment.api, log, 500, clients=8)
+    # Eight clients, and bodies of 50 ms, so that work is waiting while a consumer is
+    # busy: one client at a time hands each run to whichever consumer polls first, and
+    # on Redis the busy one (the other backs off, up to a second, while its queue looks
+    # empty) can take all 500 when one process keeps up with no-op bodies (seen once
+    # in CI after claims got cheaper).  One process's 4 threads run at most 80 such
+    # bodies a second, so the queue fills and the other consumer finds it so.
+    ids = submit(deployment.api, log, 500, clients=8, hold_s=0.05)
     wait_completed(ledger, 500, timeout_s=180)
     assert_one_start_each(log, ids)
     # Both worker processes took part.
