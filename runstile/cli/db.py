@@ -130,7 +130,8 @@ def db_copy(settings, to, as_json):
     report = _copy(settings, url)
     if as_json:
         _emit_json({"source": str(settings.ledger_path), "target": redact_url(url),
-                    "ok": report.ok, "sequences": report.sequences,
+                    "ok": report.ok, "analyzed": report.analyzed,
+                    "sequences": report.sequences,
                     "counts": {t: {"sqlite": s, "postgresql": p}
                                for t, (s, p) in report.counts.items()}})
     else:
@@ -143,6 +144,9 @@ def db_copy(settings, to, as_json):
             total = sum(s for s, _ in report.counts.values())
             click.echo(f"copied {settings.ledger_path} to {redact_url(url)}: {total} rows "
                        f"in {len(report.counts)} tables")
+            if not report.analyzed:
+                click.echo("the planner's statistics were not gathered: run ANALYZE on the "
+                           "database before heavy load (autovacuum does it in time)", err=True)
         else:
             click.echo("NOT COPIED: the counts differ; the target was rolled back", err=True)
     sys.exit(0 if report.ok else 1)

@@ -67,6 +67,8 @@ class CopyReport:
     counts: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: Identity sequences set: (table, column) -> the last value given out.
     sequences: dict[str, int] = field(default_factory=dict)
+    #: Whether the planner's statistics were gathered after the commit (_analyze).
+    analyzed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -97,7 +99,27 @@ def copy_ledger(source: Path, url: str, *, busy_timeout_ms: int = 5000,
             report = _copy_all(src, tgt, progress)
     finally:
         src.close()
+    report.analyzed = _analyze(url, list(report.counts), busy_timeout_ms)
     return report
+
+
+def _analyze(url: str, tables: list[str], busy_timeout_ms: int) -> bool:
+    """Give the planner the copied tables' statistics now, once the copy committed;
+    False if that failed (the copy stands: autovacuum gathers them later).
+
+    Until autovacuum's first ANALYZE (a minute or more away) the planner knows nothing of
+    the rows: it can then look a run up through a partial index that holds the whole
+    backlog instead of by its id, and an idempotency key through every key of its API
+    key, which a copied ledger of millions of runs would pay on every claim and
+    admission (docs/operations.md, "Moving a ledger from SQLite to PostgreSQL")."""
+    statement = sql.SQL("ANALYZE {}").format(sql.SQL(", ").join(map(sql.Identifier, tables)))
+    try:
+        with psycopg.connect(url, autocommit=True,
+                             connect_timeout=max(1, busy_timeout_ms // 1000)) as raw:
+            raw.execute(statement)
+    except psycopg.Error:
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -164,6 +164,20 @@ def test_the_copy_works_as_a_ledger(filled, pg_url):
         conn.close()
 
 
+def test_a_committed_copy_leaves_the_planner_the_statistics_of_every_table(filled, pg_url):
+    # Without them, PostgreSQL plans the first minute's claims and admissions blind
+    # (pg_class.reltuples is -1 until something analyzes the table).
+    data_dir, _ = filled
+    report = db_postgresql_copy.copy_ledger(data_dir / "ledger.db", pg_url)
+    assert report.ok and report.analyzed
+    with psycopg.connect(pg_url) as conn:
+        estimated = dict(conn.execute(
+            "SELECT relname, reltuples FROM pg_class WHERE relname = ANY(%s)",
+            (list(report.counts),)).fetchall())
+    assert estimated == {table: float(target) for table, (_, target) in report.counts.items()}
+    assert estimated["runs"] > 0
+
+
 def _new_runs_continue_the_copied_counters(conn, client: Principal) -> None:
     dispatched = conn.execute("SELECT MAX(id) FROM dispatches").fetchone()[0]
     made = admission.admit(conn, ledger_fill.request(client, key="after-copy",
