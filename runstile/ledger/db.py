@@ -232,11 +232,6 @@ class LedgerConnection(sqlite3.Connection):
         SQLite has no round trips to save."""
         self.execute(sql)
 
-    def rollback_to(self, savepoint: str) -> None:
-        """Undo the open transaction to ``savepoint`` (a PostgreSQL connection skips it
-        when the transaction's start failed before the savepoint was set)."""
-        self.execute(f"ROLLBACK TO {savepoint}")
-
     def time_limit(self, seconds: float,
                    timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
         return _progress_deadline(self, seconds, timeout)
@@ -329,7 +324,7 @@ def _savepoint(conn: sqlite3.Connection) -> Iterator[None]:
         try:
             yield
         except BaseException:
-            ledger_conn.rollback_to(name)
+            conn.execute(f"ROLLBACK TO {name}")
             ledger_conn.defer(f"RELEASE {name}")
             raise
         ledger_conn.defer(f"RELEASE {name}")

@@ -8,7 +8,7 @@ translated once (db_postgresql_dialect.translate, cached) and errors are classif
 (:func:`classify`), so the ledger modules never see a psycopg exception.
 
 Write transactions: ``BEGIN`` then ``pg_advisory_xact_lock(WRITER_LOCK)``, one key for
-the whole ledger, sent with the transaction's first statement.  Writers are thus serialized exactly as SQLite's ``BEGIN IMMEDIATE``
+the whole ledger.  Writers are thus serialized exactly as SQLite's ``BEGIN IMMEDIATE``
 serializes them, and each statement after the lock (READ COMMITTED) sees every
 transaction committed before it: every guarded UPDATE's read-then-write argument made for
 SQLite holds unchanged.  ``lock_timeout`` plays ``busy_timeout``.  The one exception is
@@ -19,6 +19,7 @@ locks alone guard: its argument is at ``broker_queue.claim``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -27,16 +28,62 @@ from urllib.parse import urlsplit
 import psycopg
 import psycopg_pool
 from psycopg import errors as pg_errors
+from psycopg.adapt import Dumper
 from psycopg.pq import TransactionStatus
 
 from ..errors import LedgerCorrupt, LedgerUnavailable, redact_url
 from .db_dialect import ConstraintViolation
 from .db_postgresql_dialect import POSTGRESQL, params_for, translate
-from .db_postgresql_rows import BoolAsUnknown, has_columns, row_factory
 from .owed import Owed
 
 #: The advisory lock every write transaction takes: one writer at a time, ledger-wide.
 WRITER_LOCK = 0x72756E7374696C65  # 'runstile'
+
+
+class Row(tuple[Any, ...]):
+    """A result row read by position or by column name, like ``sqlite3.Row``."""
+
+    __slots__ = ()
+    _index: dict[str, int] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return tuple.__getitem__(self, self._index[key])
+        return tuple.__getitem__(self, key)
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_class(names: tuple[bytes, ...]) -> type[Row]:
+    return type("Row", (Row,), {"__slots__": (),
+                                "_index": {n.decode(): i for i, n in enumerate(names)}})
+
+
+def _has_columns(cursor: psycopg.Cursor[Any]) -> bool:
+    result = cursor.pgresult
+    return result is not None and result.nfields > 0
+
+
+def _row_factory(cursor: Any) -> Callable[[Sequence[Any]], Any]:
+    # The result's field names, read as they came: ``cursor.description`` would build a
+    # Column object per column for every statement (measured: a quarter of the client
+    # CPU of a claim, whose SELECT * reads 34 columns).
+    if not _has_columns(cursor):
+        return tuple
+    result = cursor.pgresult
+    return _row_class(tuple(result.fname(i) for i in range(result.nfields)))
+
+
+class _BoolAsUnknown(Dumper):
+    """Python booleans go as untyped '1'/'0': SQLite's ledger stores them in INTEGER
+    columns and also tests them in CASE WHEN; PostgreSQL reads '1' as either."""
+
+    oid = 0
+
+    def dump(self, obj: Any) -> bytes:
+        return b"1" if obj else b"0"
 
 
 def classify(exc: psycopg.Error) -> Exception:
@@ -68,20 +115,6 @@ def _classified() -> Iterator[None]:
         raise translated from exc
 
 
-#: How a write transaction starts (PgConnection.writing): these two failing is its
-#: start failing.
-_BEGIN = "BEGIN"
-_LOCK = f"SELECT pg_advisory_xact_lock({WRITER_LOCK})"
-_HEAD = (_BEGIN, _LOCK)
-
-
-def _ran(cursor: psycopg.Cursor[Any]) -> bool:
-    """Whether a statement sent in a pipeline that failed ran, and without an error."""
-    result = cursor.pgresult
-    return result is not None and result.status in (
-        psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK)
-
-
 #: A statement that writes rows (DDL and TRUNCATE are the migrations' and tests').
 _WRITE = re.compile(r"\s*(?:INSERT|UPDATE|DELETE)\b", re.IGNORECASE)
 
@@ -93,7 +126,7 @@ class PgCursor:
         self._cursor = cursor
         self.rowcount = cursor.rowcount
         self.lastrowid: int | None = None
-        self._has_rows = has_columns(cursor)
+        self._has_rows = _has_columns(cursor)
         if row_id is not None:
             rows = cursor.fetchall()
             self.lastrowid = rows[-1][0] if rows else None
@@ -134,10 +167,6 @@ class PgConnection:
         self._trace: Callable[[str], object] | None = None
         #: Statements whose answer nobody reads (savepoints), sent with the next one.
         self._deferred: list[str] = []
-        #: Inside :meth:`writing`, whose BEGIN may still wait in ``_deferred``.
-        self._writing = False
-        #: The open transaction's BEGIN or writer lock failed: no savepoint of it exists.
-        self._start_failed = False
         self.owed = Owed()
         self.writer_path = redact_url(url)
         self.busy_timeout_s = busy_timeout_s
@@ -147,10 +176,6 @@ class PgConnection:
 
     @property
     def in_transaction(self) -> bool:
-        return self._writing or self._server_in_transaction
-
-    @property
-    def _server_in_transaction(self) -> bool:
         return self._raw.info.transaction_status in (
             TransactionStatus.INTRANS, TransactionStatus.INERROR, TransactionStatus.ACTIVE)
 
@@ -203,10 +228,8 @@ class PgConnection:
         Each round trip to the server is paid while holding the ledger's writer lock, so
         a group commit's two savepoints per unit cost as much as its real statements.
         What is deferred runs before the next statement, in order, so the transaction
-        is exactly what it would have been; a failure of a deferred statement is raised
-        by the statement it rode with (a savepoint's can only follow one already
-        reported; the transaction's start, deferred by :meth:`writing`, can time out
-        waiting for the writer lock)."""
+        is exactly what it would have been; a failure of a deferred statement (which can
+        only follow one already reported) is raised by the statement it rode with."""
         self._traced(sql, None)
         self._deferred.append(sql)
 
@@ -221,18 +244,10 @@ class PgConnection:
         block, all in one round trip (psycopg's pipeline mode: the answers are read when
         the block ends, and the first error is raised then)."""
         deferred, self._deferred = self._deferred, []
-        sent: list[psycopg.Cursor[Any]] = []
-        try:
-            with self._raw.pipeline():
-                for sql in deferred:
-                    sent.append(self._raw.execute(sql))
-                yield
-        except BaseException:
-            # When the transaction's own start (BEGIN, its writer lock) did not run, the
-            # savepoints deferred after it did not either (rollback_to).
-            self._start_failed |= any(sql in _HEAD and not _ran(cursor)
-                                      for sql, cursor in zip(deferred, sent, strict=False))
-            raise
+        with self._raw.pipeline():
+            for sql in deferred:
+                self._raw.execute(sql)
+            yield
 
     def _alone(self, sql: str) -> contextlib.AbstractContextManager[None]:
         """A write outside any transaction gets one of its own, with the writer lock:
@@ -243,29 +258,18 @@ class PgConnection:
         return self.writing()
 
     def execute_script(self, script: str) -> None:
-        """Run a migration script as it is (several statements, no parameters), after
-        what was deferred (a transaction's BEGIN and lock)."""
-        deferred, self._deferred = self._deferred, []
+        """Run a migration script as it is (several statements, no parameters)."""
         with _classified():
-            for sql in deferred:
-                self._raw.execute(sql)
             self._raw.execute(script.encode("utf-8"))
 
     def close(self) -> None:
         with contextlib.suppress(psycopg.Error):
             self._raw.close()
 
-    def rollback_to(self, savepoint: str) -> None:
-        """Undo the open transaction to ``savepoint`` (db._savepoint).  Nothing to undo
-        when the transaction's start failed in the round trip that was to set the
-        savepoint too: it never existed, and the whole transaction rolls back."""
-        if not self._start_failed:
-            self.execute(f"ROLLBACK TO {savepoint}")
-
     def _rollback(self) -> None:
-        self._deferred = []  # savepoints of the transaction rolled back (or its BEGIN)
+        self._deferred = []  # savepoints of the transaction rolled back
         self._traced("ROLLBACK", None)
-        if self._server_in_transaction:
+        if self.in_transaction:
             with contextlib.suppress(psycopg.Error):
                 self._raw.execute("ROLLBACK")
 
@@ -275,41 +279,30 @@ class PgConnection:
         ``rows_only``: no writer lock, the rows' own locks guard the writes (db.row_transaction).
         Not ``durable``: the COMMIT does not wait for the WAL flush (db.transaction).
 
-        The BEGIN, its settings and the lock are deferred: they travel in the round trip
-        of the transaction's first statement, ahead of it, so the lock is taken one round
-        trip later and held one round trip less; a lock timeout is raised by that
-        statement.  The COMMIT carries what was deferred before it in one simple query,
-        which stops at the first statement that fails and reports it."""
-        head = [_BEGIN]
+        The BEGIN and its settings and lock go in one round trip, and so do the COMMIT
+        and what was deferred before it: several statements in one simple query, which
+        stops at the first that fails (the lock's timeout, say) and reports it."""
+        head = ["BEGIN"]
         if not durable:
             head.append("SET LOCAL synchronous_commit = off")
         if not rows_only:
-            head.append(_LOCK)
+            head.append(f"SELECT pg_advisory_xact_lock({WRITER_LOCK})")
         self._traced("; ".join(head), None)
-        self._deferred = [*head, *self._deferred]
-        self._writing, self._start_failed = True, False
         try:
-            try:
-                yield
-            except BaseException:
-                self._rollback()
-                raise
-            if self._raw.info.transaction_status == TransactionStatus.INERROR:
-                # An error was swallowed inside: PostgreSQL would answer this COMMIT with
-                # a silent ROLLBACK, and the caller would take it for a commit.
-                self._rollback()
-                raise LedgerUnavailable("the transaction failed before its commit; "
-                                        "nothing of it was committed")
-            tail, self._deferred = [*self._deferred, "COMMIT"], []
-            try:
-                self._traced("; ".join(tail), None)
-                with _classified():
-                    self._raw.execute("; ".join(tail))
-            except BaseException:
-                self._rollback()
-                raise
-        finally:
-            self._writing = False
+            with _classified():
+                self._raw.execute("; ".join(head))
+            yield
+        except BaseException:
+            self._rollback()
+            raise
+        tail, self._deferred = [*self._deferred, "COMMIT"], []
+        try:
+            self._traced("; ".join(tail), None)
+            with _classified():
+                self._raw.execute("; ".join(tail))
+        except BaseException:
+            self._rollback()
+            raise
 
     def fileno(self) -> int:
         """The session's socket: readable when a notification (LISTEN) has arrived."""
@@ -340,7 +333,7 @@ def connect(url: str, *, busy_timeout_ms: int = 5000,
     """Open one session with runstile's settings.  Never share it across fork()."""
     try:
         with _classified():
-            raw = psycopg.connect(url, autocommit=True, row_factory=row_factory,
+            raw = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
                                   connect_timeout=max(1, busy_timeout_ms // 1000))
     except LedgerUnavailable as exc:
         # The server's message names the host, never the password; drop it anyway in
@@ -357,7 +350,7 @@ def connect(url: str, *, busy_timeout_ms: int = 5000,
 
 def _configure(raw: psycopg.Connection[Any], busy_timeout_ms: int) -> None:
     """What every session of the ledger needs, whether opened alone or by a pool."""
-    raw.adapters.register_dumper(bool, BoolAsUnknown)
+    raw.adapters.register_dumper(bool, _BoolAsUnknown)
     raw.execute(f"SET lock_timeout = {int(busy_timeout_ms)}")
 
 
@@ -372,7 +365,7 @@ class SessionPool:
         self.busy_timeout_s = busy_timeout_ms / 1000
         self._pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=size, open=False, timeout=self.busy_timeout_s,
-            kwargs={"autocommit": True, "row_factory": row_factory},
+            kwargs={"autocommit": True, "row_factory": _row_factory},
             configure=lambda raw: _configure(raw, busy_timeout_ms))
 
     def open(self) -> None:
