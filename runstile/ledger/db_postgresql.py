@@ -295,6 +295,12 @@ class PgConnection:
         except BaseException:
             self._rollback()
             raise
+        if self._raw.info.transaction_status == TransactionStatus.INERROR:
+            # An error was swallowed inside: PostgreSQL would answer this COMMIT with a
+            # silent ROLLBACK, and the caller would take it for a commit.
+            self._rollback()
+            raise LedgerUnavailable("the transaction failed before its commit; "
+                                    "nothing of it was committed")
         tail, self._deferred = [*self._deferred, "COMMIT"], []
         try:
             self._traced("; ".join(tail), None)

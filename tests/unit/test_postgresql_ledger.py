@@ -380,6 +380,20 @@ def test_a_lock_timeout_at_begin_leaves_no_transaction_and_nothing_deferred(pg_u
     assert waiter.execute("SELECT COUNT(*) FROM profiles").fetchone()[0] == 1
 
 
+def test_a_transaction_whose_failed_statement_was_swallowed_commits_nothing(pg_url):
+    """PostgreSQL answers the COMMIT of a failed transaction with a silent ROLLBACK: the
+    connection refuses to send it, so nobody takes a rollback for a commit."""
+    migrations.migrate(pg_url)
+    conn = db.connect(pg_url)
+    with pytest.raises(LedgerUnavailable, match="nothing of it was committed"):
+        with db.transaction(conn):
+            conn.execute("INSERT INTO profiles (id, created_at) VALUES ('lost', 0)")
+            with contextlib.suppress(ConstraintViolation):  # no savepoint: a bug's shape
+                conn.execute("INSERT INTO profiles (id, created_at) VALUES ('lost', 1)")
+    assert not conn.in_transaction
+    assert conn.execute("SELECT COUNT(*) FROM profiles").fetchone()[0] == 0
+
+
 def test_statements_are_translated_once_into_postgresqls_spelling():
     from runstile.ledger.db_postgresql_dialect import NOW, translate
     assert translate("SELECT ? WHERE a = 'it''s ?' AND b LIKE '%x'") == (
