@@ -11,6 +11,7 @@ retry), and answers each.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -118,8 +119,10 @@ class _Writer:
                 # A small batch waits once, briefly, for the requests on their way: fewer
                 # commits under load, at most linger_s more latency (RUNSTILE_ADMISSION_LINGER_MS).
                 batch += self._gather(linger_s)
-            # Everything that arrived since the last commit shares one transaction.
-            self.batches.settle([unit for _, unit in batch if unit.error is None])
+            # Everything that arrived since the last commit shares one transaction, and
+            # so does what arrives while this one waits for the write lock (_top_up).
+            self.batches.settle([unit for _, unit in batch if unit.error is None],
+                                functools.partial(self._top_up, batch))
             crashpoints.hit(self.settings, "writer_after_commit")
             self._answer(batch)
         self.batches.close()
@@ -139,6 +142,16 @@ class _Writer:
             else:
                 self._read(key.data, batch)
         return batch
+
+    def _top_up(self, batch: list[tuple[_Connection, group_commit.Unit]],
+                _room: int) -> list[group_commit.Unit]:
+        """The requests already here, added to ``batch`` (so that they are answered with
+        it); their units, for the transaction that now holds the write lock.  All of
+        them, as a gather takes all (the committer's ``room`` bound is not the writer's):
+        a connection has at most one request outstanding, so the web threads bound it."""
+        arrived = self._gather(0)
+        batch += arrived
+        return [unit for _, unit in arrived if unit.error is None]
 
     def _answer(self, batch: list[tuple[_Connection, group_commit.Unit]]) -> None:
         for conn, unit in batch:
