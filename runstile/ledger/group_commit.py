@@ -170,7 +170,7 @@ class GroupCommitter:
         return units
 
 
-def _commit(conn: sqlite3.Connection, batch: list[Unit], more: TopUp | None) -> None:
+def _commit(conn: sqlite3.Connection, batch: list[Unit], more: TopUp | None = None) -> None:
     """All units in one transaction.  A unit may *refuse* (a RunstileError raised
     before it writes anything, as ledger units promise) without disturbing the
     others; anything else aborts the batch, which is then retried unit by unit."""
