@@ -186,7 +186,7 @@ def test_admissions_sent_while_the_writer_waits_for_the_lock_share_its_commit(le
                        what="the writer to wait for the lock")
             gate.wait(10)
             # Every late request is in the writer's sockets before the lock is released.
-            wait_until(lambda: _bytes_waiting(writer) >= LATE, 10, what="the late requests")
+            wait_until(lambda: _requests_waiting(writer) >= LATE, 10, what="the late requests")
         for thread in [first, *threads]:
             thread.join(30)
     finally:
@@ -202,7 +202,7 @@ def test_admissions_sent_while_the_writer_waits_for_the_lock_share_its_commit(le
     assert len(begun) == warm + 1
 
 
-def _bytes_waiting(writer) -> int:
+def _requests_waiting(writer) -> int:
     """How many of the writer's web connections have a request waiting to be read."""
     waiting = 0
     for key in list(writer.selector.get_map().values()):
