@@ -48,6 +48,7 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     from flask.json.provider import DefaultJSONProvider
 
     from . import approvals, deliveries, errors, metrics, runs, schedules, service, ui
+    from .admission_endpoint import AdmissionEndpoint
 
     app = Flask("runstile")
     json_provider = cast(DefaultJSONProvider, app.json)  # Flask's default provider
@@ -70,6 +71,9 @@ def create_app(settings: Settings, *, writer_socket: str | None = None,
     app.register_blueprint(service.blueprint)
     app.register_blueprint(schedules.blueprint)
     ui.install(app, settings)  # the dashboard at /ui/ (docs/dashboard.md)
+    # POST /v1/runs is answered in front of Flask, every other request by it.
+    app.wsgi_app = AdmissionEndpoint(  # type: ignore[method-assign]
+        app.extensions["runstile"], app.wsgi_app)
     return app
 
 

@@ -41,7 +41,7 @@ from . import delay
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
-    from flask import Request
+    from werkzeug.wrappers import Request  # Flask's request is one
 
     from ..config import Settings
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 from werkzeug.exceptions import MethodNotAllowed as HTTPMethodNotAllowed
+from werkzeug.http import HTTP_STATUS_CODES
 
 from ..errors import (
     CapacityExceeded,
@@ -24,6 +26,12 @@ from .state import state
 
 log = logging.getLogger("runstile.web")
 
+#: (status line, headers, body): one HTTP answer, before any framework sees it.
+Answer = tuple[str, list[tuple[str, str]], bytes]
+
+#: Flask's compact jsonify: json.dumps(value, separators=(",", ":")), keys as given.
+compact = json.JSONEncoder(separators=(",", ":")).encode
+
 #: Errors that say when to ask again (header ``Retry-After``, RUNSTILE_RETRY_AFTER_S).
 _RETRY_AFTER = (LedgerUnavailable, CapacityExceeded, StreamsExhausted, StreamsPerKeyExhausted,
                 ListQueryTimeout)
@@ -33,17 +41,31 @@ _HTTP = {404: (RouteNotFound, "no route matches this path"),
          413: (PayloadTooLarge, "the body is too large")}
 
 
-def error_response(exc: RunstileError) -> Response:
+def error_parts(exc: RunstileError, retry_after_s: float) -> Answer:
+    """Status line, headers and body of ``exc``'s answer, as Flask's ``jsonify`` would
+    write them (compact JSON, ASCII, a final newline): the one spelling of an error, for
+    Flask (:func:`error_response`) and for the admission endpoint, which answers without
+    Flask (web/admission_endpoint.py)."""
     body = {"code": exc.code, "message": exc.message}
     if not isinstance(exc, Unauthorized):  # a 401 carries no detail (docs/api.md)
         body.update(exc.details)
-    response = jsonify({"error": body})
-    response.status_code = exc.status
+    payload = (compact({"error": body}) + "\n").encode()
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
     if isinstance(exc, Unauthorized):
-        response.headers["WWW-Authenticate"] = "Bearer"
+        headers.append(("WWW-Authenticate", "Bearer"))
     if isinstance(exc, _RETRY_AFTER):
-        response.headers["Retry-After"] = str(state().settings.retry_after_s)
-    return response
+        headers.append(("Retry-After", str(retry_after_s)))
+    return status_line(exc.status), headers, payload
+
+
+def status_line(code: int) -> str:
+    """``code``'s status line as werkzeug spells it for Flask (its reason in capitals)."""
+    return f"{code} {HTTP_STATUS_CODES.get(code, 'Unknown').upper()}"
+
+
+def error_response(exc: RunstileError) -> Response:
+    status, headers, payload = error_parts(exc, state().settings.retry_after_s)
+    return Response(payload, status=status, headers=headers)
 
 
 def install(app: Flask) -> None:

@@ -4,28 +4,23 @@ admit a run" to "GET /v1/runs/{run_id}/events — the event log"), stop, resume 
 from __future__ import annotations
 
 import base64
-import json
-import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from .. import crashpoints, dispatch
-from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunNotRetryable, RunstileError
+from ..errors import InvalidRequest, RunNotFound, RunNotPaused, RunNotRetryable
 from ..ledger import events, execution, journal, runs
-from ..ledger.admission import AdmissionRequest, Admitted, admit
+from ..ledger.admission import Admitted
 from ..ledger.states import RETRYABLE, RunStatus
 from ..objects import event_object, parse_rfc3339, run_object, step_object
-from ..queues import queue_of
-from . import admission, metrics, openapi, streams
+from . import admission, admission_endpoint, metrics, openapi, streams
 from .auth import authenticate, principal
+from .errors import Answer
 from .state import conn, state
 
 if TYPE_CHECKING:
-    from flask import Request
-    from werkzeug.local import LocalProxy
 
-    from . import WebState
+    pass
 
 blueprint = Blueprint("runs", __name__)
 
@@ -54,61 +49,17 @@ def _authenticate() -> None:
     authenticate()
 
 
-#: json.dumps(value, separators=(",", ":")) without an encoder built per call.
-_compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
-
-
 @blueprint.post("/v1/runs")
 def create_run() -> Response:
-    started = time.perf_counter()
-    outcome = "error"
-    web = state()  # once: every flask proxy access costs a context lookup
-    try:
-        # The request itself, not its proxy (``request`` is a LocalProxy at run time).
-        current = cast("LocalProxy[Request]", request)._get_current_object()
-        req, refusal = admission.build(current, principal(),
-                                       settings=web.settings, task_names=web.task_names)
-        admitted = _admit(web, req, refusal)
-        outcome = "replayed" if admitted.replayed else "created"
-        if not admitted.replayed:
-            metrics.observe_admitted(admitted.run["task"])
-    except RunstileError as exc:
-        outcome = exc.code
-        raise
-    finally:
-        metrics.observe_admission(outcome, time.perf_counter() - started)
-    return _accepted(admitted)
+    """Reached only by a caller of the Flask app that bypasses the admission endpoint in
+    front of it (web/admission_endpoint.py), which answers POST /v1/runs itself: the same
+    answer either way.  Registered so that the URL map knows the method."""
+    return as_response(admission_endpoint.answer(state(), request.environ))
 
 
-def _admit(web: WebState, req: AdmissionRequest, refusal: RunstileError | None) -> Admitted:
-    """Admit ``req`` through the web process's committer, then publish the new run's
-    dispatch record: admission's path for a POST /v1/runs and for a retry alike."""
-    settings = web.settings
-    admitted = admit(None, req, refusal=refusal, max_active_runs=settings.max_active_runs,
-                     enqueue=web.dispatcher.in_transaction, committer=web.committer)
-    crashpoints.hit(settings, "after_admit_commit")
-    if not admitted.replayed and admitted.dispatch_id is not None:
-        # Redis/RabbitMQ: publish now that the admission committed (nothing to do for
-        # the embedded broker, whose message committed with it).  Never raises: a
-        # failed publish leaves the record unsent for recovery, and the 202 stands.
-        # A delayed run's message is published delayed until the not_before the
-        # reservation stored (docs/api.md, "Delayed runs").
-        dispatch.publish(settings, None, admitted.run["id"], admitted.dispatch_id,
-                         delay_s=dispatch.publish_wait(admitted.run),
-                         priority=dispatch.priority_of(admitted.run),
-                         queue=queue_of(admitted.run), mark=web.committer.run)
-    return admitted
-
-
-def _accepted(admitted: Admitted) -> Response:
-    """The 202 of an admission, new or replayed (docs/api.md, "Reservation")."""
-    body = run_object(admitted.run)
-    body["replayed"] = admitted.replayed
-    headers = {"Location": f"/v1/runs/{admitted.run['id']}"}
-    if admitted.replayed:
-        headers["Idempotency-Replayed"] = "true"
-    return Response(_compact_ascii(body), status=202, headers=headers,
-                    mimetype="application/json")
+def as_response(answer: Answer) -> Response:
+    status, headers, body = answer
+    return Response(body, status=status, headers=headers)
 
 
 def visible_run(run_id: str) -> dict[str, Any]:
@@ -141,7 +92,7 @@ def retry_run(run_id: str) -> Response:
     """A new run of a failed, cancelled or interrupted run's task and input, admitted as
     any run is (docs/api.md, "POST /v1/runs/{run_id}/retry — retry a finished run")."""
     key = admission.parse_idempotency_key(request.environ)
-    return _accepted(retry(run_id, key))
+    return as_response(admission_endpoint.accepted(retry(run_id, key)))
 
 
 # The control actions, shared by the API's routes and the dashboard's forms (web/ui/),
@@ -182,7 +133,7 @@ def retry(run_id: str, key: str | None) -> Admitted:
                               run_status=original["status"])
     req, refusal = admission.build_retry(original, principal(), key, settings=web.settings,
                                          task_names=web.task_names)
-    admitted = _admit(web, req, refusal)
+    admitted = admission_endpoint.admit_and_publish(web, req, refusal)
     if not admitted.replayed:
         metrics.observe_admitted(admitted.run["task"])
     return admitted
