@@ -7,8 +7,9 @@ request contexts, the session the dashboard's interface opens, URL matching, the
 ``before_request`` hook, response finalisation -- was a fifth of a web process's CPU on
 this path, and the path needs none of it.  :class:`AdmissionEndpoint` wraps the Flask
 app's ``wsgi_app``: ``POST /v1/runs`` is answered here, every other request goes on to
-Flask.  The Flask route stays registered and answers through the same :func:`answer`, so
-the URL map still knows the method (a ``PUT /v1/runs`` is a 405 whose ``Allow`` lists
+Flask.  The Flask route stays registered and answers through the same
+:func:`admitted_answer` (after its blueprint's hook resolved the key), so the URL map
+still knows the method (a ``PUT /v1/runs`` is a 405 whose ``Allow`` lists
 POST) and the answer is the same whichever way a request comes in.
 
 Nothing here reads Flask's context: the process's :class:`WebState` is passed in.  The
@@ -27,6 +28,7 @@ from werkzeug.wrappers import Request
 from .. import crashpoints, dispatch
 from ..errors import LedgerUnavailable, RunstileError
 from ..ledger.admission import AdmissionRequest, Admitted, admit
+from ..ledger.keys import Principal
 from ..objects import run_object
 from ..queues import queue_of
 from . import admission, auth, metrics
@@ -70,6 +72,12 @@ def answer(web: WebState, environ: WSGIEnvironment) -> Answer:
     except Exception as exc:  # noqa: BLE001 - every error is answered (_refused)
         # Answered before admission, so not counted as one (docs/operations.md, "Metrics").
         return _refused(web, exc)
+    return admitted_answer(web, environ, principal)
+
+
+def admitted_answer(web: WebState, environ: WSGIEnvironment, principal: Principal) -> Answer:
+    """The answer to a POST /v1/runs whose key is ``principal``: every check after the
+    key's, the commit, the publish; timed and counted (docs/operations.md, "Metrics")."""
     started = time.perf_counter()
     outcome = "error"
     try:

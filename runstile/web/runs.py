@@ -4,7 +4,7 @@ admit a run" to "GET /v1/runs/{run_id}/events — the event log"), stop, resume 
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
@@ -17,10 +17,6 @@ from . import admission, admission_endpoint, metrics, openapi, streams
 from .auth import authenticate, principal
 from .errors import Answer
 from .state import conn, state
-
-if TYPE_CHECKING:
-
-    pass
 
 blueprint = Blueprint("runs", __name__)
 
@@ -53,8 +49,10 @@ def _authenticate() -> None:
 def create_run() -> Response:
     """Reached only by a caller of the Flask app that bypasses the admission endpoint in
     front of it (web/admission_endpoint.py), which answers POST /v1/runs itself: the same
-    answer either way.  Registered so that the URL map knows the method."""
-    return as_response(admission_endpoint.answer(state(), request.environ))
+    answer either way, the key resolved by this blueprint's hook.  Registered so that the
+    URL map knows the method."""
+    return as_response(admission_endpoint.admitted_answer(state(), request.environ,
+                                                          principal()))
 
 
 def as_response(answer: Answer) -> Response:
