@@ -47,7 +47,6 @@ log = logging.getLogger("runstile.web")
 PATH, METHOD = "/v1/runs", "POST"
 
 
-
 class AdmissionEndpoint:
     """The WSGI app a web process serves: POST /v1/runs here, the rest to ``fallback``."""
 
