@@ -19,20 +19,19 @@ first (web/auth.py), then the body cap, then what web/admission.py checks.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING
 
 from werkzeug.wrappers import Request
 
 from .. import crashpoints, dispatch
-from ..errors import LedgerUnavailable, RunstileError
+from ..errors import RunstileError
 from ..ledger.admission import AdmissionRequest, Admitted, admit
 from ..ledger.keys import Principal
 from ..objects import run_object
 from ..queues import queue_of
 from . import admission, auth, metrics
-from .errors import Answer, compact, error_parts, status_line
+from .errors import Answer, answer_for, compact, status_line
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
     from . import WebState
-
-log = logging.getLogger("runstile.web")
 
 #: The path and method this endpoint answers; anything else is Flask's.
 PATH, METHOD = "/v1/runs", "POST"
@@ -68,9 +65,9 @@ def answer(web: WebState, environ: WSGIEnvironment) -> Answer:
     """The whole answer to one POST /v1/runs, success or error (docs/api.md)."""
     try:
         principal = auth.principal_for(web, environ)
-    except Exception as exc:  # noqa: BLE001 - every error is answered (_refused)
+    except Exception as exc:  # noqa: BLE001 - every error is answered (answer_for)
         # Answered before admission, so not counted as one (docs/operations.md, "Metrics").
-        return _refused(web, exc)
+        return answer_for(exc, web)
     return admitted_answer(web, environ, principal)
 
 
@@ -87,27 +84,16 @@ def admitted_answer(web: WebState, environ: WSGIEnvironment, principal: Principa
         if not admitted.replayed:
             metrics.observe_admitted(admitted.run["task"])
         return accepted(admitted)
-    except Exception as exc:  # noqa: BLE001 - every error is answered (_refused)
+    except Exception as exc:  # noqa: BLE001 - every error is answered (answer_for)
         if isinstance(exc, RunstileError):
             outcome = exc.code
-        return _refused(web, exc)
+        return answer_for(exc, web)
     finally:
         metrics.observe_admission(outcome, time.perf_counter() - started)
 
 
-def _refused(web: WebState, exc: Exception) -> Answer:
-    """What Flask's error handlers answer (web/errors.py): a runstile error as itself, a
-    ledger that failed with its connection dropped, anything else logged and a bare 500."""
-    if isinstance(exc, LedgerUnavailable):
-        log.warning("ledger unavailable: %s", exc.message)
-        web.pool.discard()  # the connection may be broken; reopen next time
-    if not isinstance(exc, RunstileError):
-        log.exception("unexpected error")
-        exc = RunstileError("an unexpected error occurred; it has been logged")
-    return error_parts(exc, web.settings.retry_after_s)
-
-
-def admit_and_publish(web: WebState, req: AdmissionRequest, refusal: RunstileError | None) -> Admitted:
+def admit_and_publish(web: WebState, req: AdmissionRequest,
+                      refusal: RunstileError | None) -> Admitted:
     """Admit ``req`` through the web process's committer, then publish the new run's
     dispatch record: admission's path for a POST /v1/runs and for a retry alike."""
     settings = web.settings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
@@ -23,6 +24,9 @@ from ..errors import (
     Unauthorized,
 )
 from .state import state
+
+if TYPE_CHECKING:
+    from . import WebState
 
 log = logging.getLogger("runstile.web")
 
@@ -44,8 +48,8 @@ _HTTP = {404: (RouteNotFound, "no route matches this path"),
 def error_parts(exc: RunstileError, retry_after_s: float) -> Answer:
     """Status line, headers and body of ``exc``'s answer, as Flask's ``jsonify`` would
     write them (compact JSON, ASCII, a final newline): the one spelling of an error, for
-    Flask (:func:`error_response`) and for the admission endpoint, which answers without
-    Flask (web/admission_endpoint.py)."""
+    Flask's handlers and for the admission endpoint, which answers without Flask
+    (web/admission_endpoint.py), both through :func:`answer_for`."""
     body = {"code": exc.code, "message": exc.message}
     if not isinstance(exc, Unauthorized):  # a 401 carries no detail (docs/api.md)
         body.update(exc.details)
@@ -63,18 +67,34 @@ def status_line(code: int) -> str:
     return f"{code} {HTTP_STATUS_CODES.get(code, 'Unknown').upper()}"
 
 
-def error_response(exc: RunstileError) -> Response:
-    status, headers, payload = error_parts(exc, state().settings.retry_after_s)
+def answer_for(exc: Exception, web: WebState) -> Answer:
+    """The answer to whatever a route raised, for Flask's handlers (:func:`install`) and
+    the admission endpoint alike: a runstile error as itself (a ledger that failed also
+    drops its connection), anything else logged and a bare 500.  Called while ``exc`` is
+    being handled, so the log has its traceback."""
+    if isinstance(exc, LedgerUnavailable):
+        log.warning("ledger unavailable: %s", exc.message)
+        web.pool.discard()  # the connection may be broken; reopen next time
+    if not isinstance(exc, RunstileError):
+        log.exception("unexpected error")
+        exc = RunstileError("an unexpected error occurred; it has been logged")
+    return error_parts(exc, web.settings.retry_after_s)
+
+
+def as_response(answer: Answer) -> Response:
+    """An :data:`Answer` as Flask's response."""
+    status, headers, payload = answer
     return Response(payload, status=status, headers=headers)
+
+
+def error_response(exc: RunstileError) -> Response:
+    return as_response(error_parts(exc, state().settings.retry_after_s))
 
 
 def install(app: Flask) -> None:
     @app.errorhandler(RunstileError)
     def _runstile(exc: RunstileError) -> Response:
-        if isinstance(exc, LedgerUnavailable):
-            log.warning("ledger unavailable: %s", exc.message)
-            state().pool.discard()  # the connection may be broken; reopen next time
-        return error_response(exc)
+        return as_response(answer_for(exc, state()))
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException) -> Response:
@@ -92,5 +112,4 @@ def install(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:
-        log.exception("unexpected error")
-        return error_response(RunstileError("an unexpected error occurred; it has been logged"))
+        return as_response(answer_for(exc, state()))

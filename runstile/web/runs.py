@@ -15,7 +15,7 @@ from ..ledger.states import RETRYABLE, RunStatus
 from ..objects import event_object, parse_rfc3339, run_object, step_object
 from . import admission, admission_endpoint, metrics, openapi, streams
 from .auth import authenticate, principal
-from .errors import Answer
+from .errors import as_response
 from .state import conn, state
 
 blueprint = Blueprint("runs", __name__)
@@ -53,11 +53,6 @@ def create_run() -> Response:
     URL map knows the method."""
     return as_response(admission_endpoint.admitted_answer(state(), request.environ,
                                                           principal()))
-
-
-def as_response(answer: Answer) -> Response:
-    status, headers, body = answer
-    return Response(body, status=status, headers=headers)
 
 
 def visible_run(run_id: str) -> dict[str, Any]:

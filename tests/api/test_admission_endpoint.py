@@ -112,3 +112,22 @@ def test_every_other_request_goes_on_to_flask(app, ledger):
     status, _, body = call(app.wsgi_app, "GET", "/v1/runs", headers=bearer(key))
     assert status.startswith("200") and json.loads(body)["object"] == "list"
     assert ledger.query("SELECT COUNT(*) FROM runs") == [(0,)]
+
+
+def test_an_unexpected_error_is_logged_and_answered_500_as_flask_does(app, ledger, monkeypatch,
+                                                                      caplog):
+    key = ledger.key()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in validation")
+
+    monkeypatch.setattr("runstile.web.admission.build", broken)
+    with caplog.at_level("ERROR", logger="runstile.web"):
+        served, flask = both(app, "POST", "/v1/runs", headers=bearer(key),
+                             json={"task": "echo"})
+    assert served == flask and served[0].startswith("500 ")
+    assert "a bug in validation" not in served[2].decode()
+    logged = [r for r in caplog.records if r.getMessage() == "unexpected error"]
+    assert len(logged) == 2 and all(r.exc_info and "a bug in validation" in str(r.exc_info[1])
+                                    for r in logged)
+    assert ledger.query("SELECT COUNT(*) FROM runs") == [(0,)]
