@@ -83,6 +83,21 @@ def _verdict(ratio: float | None, goal: float, why_missing: str | None) -> tuple
     return f"MISSED ({ratio:.2f}x < {goal:g}x)", False
 
 
+def _admission_verdict(ratio: float | None, p99_ratio: float | None,
+                       why_missing: str | None) -> tuple[str, bool]:
+    """Issue 15's admission target: the rate ratio and, beside it, the p99 ratio."""
+    if why_missing or ratio is None:
+        return _verdict(ratio, ADMISSION_TARGET, why_missing)
+    if p99_ratio is None:
+        return "not measured (no p99 to compare)", False
+    met = ratio >= ADMISSION_TARGET and p99_ratio <= ADMISSION_P99_TARGET
+    return (f"{'met' if met else 'MISSED'} ({ratio:.2f}x "
+            f"{'>=' if ratio >= ADMISSION_TARGET else '<'} {ADMISSION_TARGET:g}x; p99 "
+            f"{p99_ratio:.2f} of the baseline's "
+            f"{'<=' if p99_ratio <= ADMISSION_P99_TARGET else '>'} {ADMISSION_P99_TARGET:g})"
+            ), met
+
+
 def _best(rows: dict, names: tuple[str, ...], key: str):
     """(name, value) of the fastest valid, measured row among ``names``."""
     ok = {n: rows[n][key] for n in names
@@ -134,16 +149,10 @@ def build(reports: dict[str, dict]) -> dict:
                            adm.get("flask_noop"))
         ratios = adm["ratios"]
         invalid = "INVALID" in adm["floor"]["verdict"]
-        verdict, met = _verdict(ratios["runstile_over_baseline"], ADMISSION_TARGET,
-                                "run invalid: " + adm["floor"]["verdict"] if invalid else None)
-        p99_ratio = rs["p99_ms"] / bl["p99_ms"] if rs.get("p99_ms") and bl.get("p99_ms") else None
-        if met and (p99_ratio is None or p99_ratio > ADMISSION_P99_TARGET):
-            met = False
-            verdict = ("MISSED (" + verdict.removeprefix("met (").removesuffix(")") +
-                       (f", but p99 {p99_ratio:.2f} of the baseline's > {ADMISSION_P99_TARGET:g})"
-                        if p99_ratio is not None else ", but no p99 to compare)"))
-        elif p99_ratio is not None:
-            verdict += f"; p99 {p99_ratio:.2f} of the baseline's (<= {ADMISSION_P99_TARGET:g})"
+        verdict, met = _admission_verdict(
+            ratios["runstile_over_baseline"],
+            rs["p99_ms"] / bl["p99_ms"] if rs.get("p99_ms") and bl.get("p99_ms") else None,
+            "run invalid: " + adm["floor"]["verdict"] if invalid else None)
         sec = "HTTP admission (POST, 16 clients)"
         row(sec, "runstile POST /v1/runs", rs["throughput_per_s"], "req/s",
             note=f"p50 {rs['p50_ms']} ms, p99 {rs['p99_ms']} ms", runstile=True)
