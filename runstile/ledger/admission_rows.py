@@ -70,7 +70,7 @@ def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
     statements += [_dispatches_statement(fresh, now, first_dispatch),
                    _queued_events_statement(fresh, now)]
     if messages:
-        statements.append(broker_queue.insert_messages_statement(messages))
+        statements.append(broker_queue.insert_messages_statement(conn, messages))
     db.together(conn, statements)
     for enqueue, run, dispatch_id in owed:
         enqueue(conn, run, dispatch_id)  # a broker after the commit: what it owes

@@ -72,6 +72,7 @@ def insert_message(conn: sqlite3.Connection, queue_name: str, message_id: str, b
     (runstile's claim does).  ``priority``: a higher one is claimed first among the
     queue's rows ready at the same moment (:func:`claim`).
     """
+    _made_ready(conn, 1)
     with db.ledger_errors():
         # lastrowid, not RETURNING: fetching a RETURNING row costs a second sqlite3_step,
         # and every step releases and re-takes the GIL while the write lock is held.
@@ -91,14 +92,16 @@ NewMessage = tuple[str, str, bytes, float | None, str | None, int]
 def insert_messages(conn: sqlite3.Connection, messages: Sequence[NewMessage]) -> None:
     """:func:`insert_message` for several messages with one statement (a batch of
     admissions).  Runs in the caller's transaction."""
-    sql, args = insert_messages_statement(messages)
+    sql, args = insert_messages_statement(conn, messages)
     with db.ledger_errors():
         conn.execute(sql, args)
 
 
-def insert_messages_statement(messages: Sequence[NewMessage]) -> db.Statement:
+def insert_messages_statement(conn: sqlite3.Connection,
+                              messages: Sequence[NewMessage]) -> db.Statement:
     """The one INSERT of :func:`insert_messages`, for a caller that sends it with others
-    (db.together)."""
+    (db.together) on ``conn``, in the transaction it is part of."""
+    _made_ready(conn, len(messages))
     args: list[object] = []
     for queue_name, message_id, body, eta, run_id, priority in messages:
         args += (queue_name, message_id, sqlite3.Binary(body), eta, run_id, int(priority))
@@ -150,7 +153,17 @@ def _reap(conn: sqlite3.Connection) -> int:
         f"WHERE state = '{CLAIMED}' AND claimed_by NOT IN "
         f"(SELECT id FROM broker_consumers WHERE last_seen_at + timeout_s >= {NOW})").rowcount
     conn.execute(f"DELETE FROM broker_consumers WHERE last_seen_at + timeout_s < {NOW}")
-    return released
+    return _made_ready(conn, released)
+
+
+def _made_ready(conn: sqlite3.Connection, count: int) -> int:
+    """``count`` rows became ready in the open transaction: when there are any, an SQLite
+    ledger rings its commit bell once that transaction has committed, so that the
+    embedded broker's watchers look at once (``WriterGate.ring``; a PostgreSQL ledger's
+    trigger notifies them itself, migration 11).  Returns ``count``."""
+    if count and isinstance(conn, db.LedgerConnection):
+        conn.bell = True
+    return count
 
 
 def consumers_on(conn: sqlite3.Connection, host: str) -> list[tuple[str, int]]:
@@ -264,10 +277,10 @@ def release(conn: sqlite3.Connection, consumer_id: str, delivery_ids: Iterable[i
     Under the writer lock, as :func:`heartbeat` is: it locks several rows, which a reap
     may be locking in another order."""
     with db.transaction(conn):
-        return sum(conn.execute(
+        return _made_ready(conn, sum(conn.execute(
             f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
             f"WHERE id = ? AND claimed_by = ? AND state = '{CLAIMED}'",
-            (delivery_id, consumer_id)).rowcount for delivery_id in delivery_ids)
+            (delivery_id, consumer_id)).rowcount for delivery_id in delivery_ids))
 
 
 def close_consumer(conn: sqlite3.Connection, consumer_id: str) -> int:
@@ -277,7 +290,7 @@ def close_consumer(conn: sqlite3.Connection, consumer_id: str) -> int:
             f"UPDATE broker_messages SET state = '{READY}', claimed_by = NULL, claimed_at = NULL "
             f"WHERE claimed_by = ? AND state = '{CLAIMED}'", (consumer_id,)).rowcount
         conn.execute("DELETE FROM broker_consumers WHERE id = ?", (consumer_id,))
-        return released
+        return _made_ready(conn, released)
 
 
 def pending_count(conn: sqlite3.Connection, queue_names: Sequence[str]) -> int:

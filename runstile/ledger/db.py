@@ -199,27 +199,36 @@ class LedgerConnection(sqlite3.Connection):
     settling: bool = False
     #: How this engine spells what engines spell differently (ledger/db_dialect.py).
     dialect: SqliteDialect = SQLITE
+    #: Set by a transaction that makes broker rows ready (broker_queue._made_ready).
+    bell: bool = False
 
     @contextlib.contextmanager
     def writing(self, rows_only: bool = False, durable: bool = True) -> Iterator[None]:
         """One write transaction: the writer gate, then BEGIN IMMEDIATE ... COMMIT (SQLite
         locks the file however few rows a transaction writes: ``rows_only`` changes nothing).
         Not ``durable``: its COMMIT does not fsync (see :func:`transaction`)."""
-        with writer_gate(self.writer_path).held(self.busy_timeout_s):
-            if durable or self.synchronous not in ("FULL", "EXTRA"):
-                with _immediate(self):
-                    yield
-                return
-            # synchronous is read at COMMIT and cannot change inside a transaction: set
-            # around it.  Under the writer gate, so no other commit of ours runs between.
+        gate = writer_gate(self.writer_path)
+        with gate.held(self.busy_timeout_s), self._synchronous(durable), _immediate(self):
+            self.bell = False
+            yield
+        if self.bell:  # committed and visible; rung after the gate, so no writer waits on it
+            gate.ring()
+
+    @contextlib.contextmanager
+    def _synchronous(self, durable: bool) -> Iterator[None]:
+        """synchronous=NORMAL around a transaction that need not be ``durable`` (read at its
+        COMMIT, it cannot change inside one); under the writer gate, so no other commit of
+        ours runs between."""
+        if durable or self.synchronous not in ("FULL", "EXTRA"):
+            yield
+            return
+        with ledger_errors():
+            self.execute("PRAGMA synchronous = NORMAL")
+        try:
+            yield
+        finally:
             with ledger_errors():
-                self.execute("PRAGMA synchronous = NORMAL")
-            try:
-                with _immediate(self):
-                    yield
-            finally:
-                with ledger_errors():
-                    self.execute(f"PRAGMA synchronous = {self.synchronous}")
+                self.execute(f"PRAGMA synchronous = {self.synchronous}")
 
     def execute_together(self, statements: Sequence[Statement]) -> list[sqlite3.Cursor]:
         """Run ``statements`` in order; their cursors.  A PostgreSQL connection sends them

@@ -10,9 +10,11 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from ..errors import LedgerUnavailable
 from ..filemodes import open_lock
+from .db_dialect import is_database_url
 
 
 class WriterGate:
@@ -26,10 +28,12 @@ class WriterGate:
     ``<ledger>-writer.lock``, waited for in the kernel, which wakes a waiter the moment
     the holder lets go.  BEGIN IMMEDIATE then rarely waits; when something outside
     runstile writes (the sqlite3 shell), SQLite's own busy handler still covers it.
+
+    The lock file is also the ledger's commit bell (:meth:`ring`).
     """
 
     def __init__(self, ledger_path: str) -> None:
-        self.lock_path = ledger_path + "-writer.lock"
+        self.lock_path = bell_path(ledger_path)
         self.thread_lock = threading.Lock()
         self._fd: int | None = None
         self._waiter: _FlockWaiter | None = None
@@ -66,6 +70,19 @@ class WriterGate:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             self.thread_lock.release()
+
+    def ring(self) -> None:
+        """Touch the lock file (its times, never its bytes): the commit that just
+        returned made broker rows ready, and the embedded broker's watchers, which
+        watch this file with inotify, look at the ledger at once instead of polling
+        for that commit to show (workers/sqlite_broker/wakeup.py).  Best effort: a
+        bell that fails only leaves them to that polling."""
+        if self._fd is None:
+            return  # never held here, so nothing of ours committed
+        try:
+            os.utime(self._fd)
+        except OSError:
+            pass
 
 
 class _Ask:
@@ -120,6 +137,27 @@ class _FlockWaiter:
                 # open file description, not to a thread.
                 ask.state = "granted"
                 ask.done.set()
+
+
+def bell_path(ledger_path: str) -> str:
+    """The file the writers of the ledger file ``ledger_path`` (an absolute path, as
+    ``db.connect`` resolves it) queue on and ring: ``<ledger>-writer.lock``."""
+    return ledger_path + "-writer.lock"
+
+
+def commit_bell(target: Path | str) -> str | None:
+    """The file that SQLite ledger ``target``'s writers ring after a commit that made
+    broker rows ready (``broker_queue._made_ready``), created as a gate creates it if
+    missing, so that it can be watched before anyone writes; None for a PostgreSQL
+    ledger, or where it neither exists nor can be created."""
+    if is_database_url(target):
+        return None
+    path = bell_path(str(Path(target).resolve()))
+    try:
+        os.close(open_lock(path))
+    except OSError:
+        return path if os.path.exists(path) else None
+    return path
 
 
 _gates: dict[str, WriterGate] = {}

@@ -25,8 +25,9 @@ from dramatiq import Message
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.middleware import AsyncIO, CurrentMessage, Middleware
 
-from runstile.ledger import broker_queue, db
+from runstile.ledger import broker_queue, db, db_gate
 from runstile.workers.sqlite_broker import UNDECODABLE_ACTOR, SQLiteBroker, enqueue_in
+from runstile.workers.sqlite_broker.wakeup import WalSignal
 from tests.conftest import ROOT, wait_until
 
 
@@ -523,6 +524,90 @@ def test_an_idle_consumer_gets_another_processs_message_within_milliseconds_with
     assert len(received) == count
     assert p50 < 20, latencies_ms
     assert idle_cpu < 0.05
+    consumer.close()
+
+
+def _bell_rang(ledger, write) -> bool:
+    """Whether ``write(conn)``, in a transaction of a fresh connection, touched the
+    ledger's commit bell: its times are set far back first, and a ring sets them to now
+    (whole seconds apart, so the file system's clock granularity cannot hide it)."""
+    bell = db_gate.commit_bell(ledger.target)
+    assert bell is not None
+    conn = db.connect(ledger.target)
+    try:
+        os.utime(bell, (1, 1))
+        try:
+            with db.transaction(conn):
+                write(conn)
+        except RuntimeError:
+            pass  # a write that rolls back on purpose
+        return os.stat(bell).st_mtime > 1
+    finally:
+        conn.close()
+
+
+def test_a_commit_that_makes_broker_rows_ready_rings_the_bell_and_no_other_write_does(
+        make_broker, ledger):
+    if ledger.dialect != "sqlite":
+        pytest.skip("SQLite only: a PostgreSQL ledger's trigger notifies (migration 11)")
+    broker = make_broker()
+    consumer = broker.consume("default", prefetch=2, timeout=100)
+
+    def enqueue(conn) -> None:
+        enqueue_in(conn, message())
+
+    def rolled_back(conn) -> None:
+        enqueue_in(conn, message())
+        raise RuntimeError("roll back")
+
+    assert _bell_rang(ledger, enqueue)
+    assert not _bell_rang(ledger, rolled_back)
+    # Every other write stays silent: a heartbeat that releases nothing, a claim, an ack.
+    info = broker_queue.ConsumerInfo("c1", "default", os.getpid(), "here", 30.0)
+    assert not _bell_rang(ledger, lambda conn: broker_queue._upsert_consumers(conn, [info]))
+    assert not _bell_rang(ledger, lambda conn: broker_queue._reap(conn))
+    held = drain(consumer, 1)
+    assert not _bell_rang(ledger, lambda conn: conn.execute(
+        "UPDATE broker_messages SET claimed_at = claimed_at WHERE id = ?",
+        (held[0].delivery_id,)))
+    # Rows that go back to ready ring: a requeue, a closing consumer's release.
+    bell = db_gate.commit_bell(ledger.target)
+    os.utime(bell, (1, 1))
+    consumer.requeue(held)
+    assert os.stat(bell).st_mtime > 1
+    drain(consumer, 1)
+    os.utime(bell, (1, 1))
+    consumer.close()
+    assert os.stat(bell).st_mtime > 1
+
+
+def test_an_idle_consumer_is_woken_by_the_bell_without_waiting_for_a_poll(
+        make_broker, ledger, monkeypatch):
+    """With every poll of the WAL watch pushed 5 s away, another process's commit still
+    reaches the idle consumer at once: its bell rings after the commit returned."""
+    if ledger.dialect != "sqlite":
+        pytest.skip("SQLite only: its WAL watch and bell (PostgreSQL is woken by NOTIFY)")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("inotify is Linux's")
+    monkeypatch.setattr(WalSignal, "settle_interval_s", 5.0)
+    monkeypatch.setattr(WalSignal, "safety_poll_s", 5.0)
+    broker = make_broker(consumer_timeout_s=15.0, heartbeat_interval_s=None)
+    consumer = broker.consume("default", prefetch=1, timeout=20_000)
+    wait_until(lambda: broker.watcher().mode == "inotify", 5, 0.01, "the watcher thread")
+    producer = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(ledger.target), "3"],
+                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    received: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while len(received) < 3 and time.monotonic() < deadline:
+        proxy = next(consumer)  # waits up to 20 s: only the watcher can wake it sooner
+        if proxy is not None:
+            received[proxy.message_id] = time.time()
+            consumer.ack(proxy)
+    committed = dict(line.split() for line in producer.communicate(timeout=30)[0].splitlines())
+    assert set(received) == set(committed)
+    waits_s = [received[m] - float(t) for m, t in committed.items()]
+    assert max(waits_s) < 2.5, waits_s  # a poll would have come after 5 s
+    assert broker.watcher().wakeups["commit"] >= 1  # the watcher woke it, not a timeout
     consumer.close()
 
 

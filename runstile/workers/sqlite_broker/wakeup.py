@@ -9,8 +9,9 @@ needs (``PRAGMA data_version``, ``LISTEN``, which notifications arrived) is in
 (``broker_queue.listen``), not a test of its URL.
 
 * SQLite (:class:`WalSignal`): inotify on the ``-wal`` file (Linux) says a commit is on
-  its way, ``PRAGMA data_version`` says it is visible; without inotify, ``data_version``
-  is polled every ``poll_interval_s``.
+  its way, ``PRAGMA data_version`` says it is visible, and the ledger's commit bell
+  (inotify too) that a commit which made broker rows ready is visible already; without
+  inotify, ``data_version`` is polled every ``poll_interval_s``.
 * PostgreSQL (:class:`ListenSignal`): the session LISTENs on ``broker_queue.CHANNEL``,
   which the trigger of migration 11 notifies with a queue's name whenever one of its rows
   becomes ready (delivered at the writer's COMMIT).  Every ``fallback_poll_s`` it also
@@ -23,11 +24,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sqlite3
+import struct
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...ledger import broker_queue, db
+from ...ledger import broker_queue, db, db_gate
 
 if TYPE_CHECKING:
     from .broker import SQLiteBroker
@@ -73,20 +75,33 @@ def _connect(broker: SQLiteBroker) -> sqlite3.Connection:
 
 
 class WalNotifier:
-    """Linux inotify on the ledger's ``-wal`` file: readable when any process appends
-    WAL frames.  A writer appends its frames *before* its commit becomes visible (the
-    fsync and the wal-index update come after), so an event means "a commit is on its
-    way", confirmed by ``PRAGMA data_version``.  None where inotify is unavailable."""
+    """Linux inotify on the ledger's ``-wal`` file and on its commit bell; None where
+    inotify is unavailable.
+
+    * The WAL: any process appending WAL frames makes it readable.  A writer appends its
+      frames *before* its commit becomes visible (the fsync and the wal-index update
+      come after), so an event means "a commit is on its way", confirmed by ``PRAGMA
+      data_version``.
+    * The bell (``db_gate.commit_bell``): runstile's writers touch it after a commit that
+      made broker rows ready has returned, so that commit is already visible.  Without
+      it, a look would wait for the next ``data_version`` poll after the WAL event, up
+      to a millisecond or two after the commit showed (an idle run's start paid that).
+      Writers outside runstile never ring: the WAL's events still cover them.
+    """
 
     IN_MODIFY = 0x2
+    IN_ATTRIB = 0x4
     IN_NONBLOCK = 0o4000
     IN_CLOEXEC = 0o2000000
+    #: struct inotify_event without its name: wd, mask, cookie, len.
+    EVENT = struct.Struct("iIII")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, wal_watch: int) -> None:
         self.fd = fd
+        self.wal_watch = wal_watch
 
     @classmethod
-    def open(cls, wal_path: str) -> WalNotifier | None:
+    def open(cls, wal_path: str, bell_path: str | None = None) -> WalNotifier | None:
         if not sys.platform.startswith("linux") or not os.path.exists(wal_path):
             return None
         try:
@@ -94,25 +109,35 @@ class WalNotifier:
             fd = libc.inotify_init1(cls.IN_NONBLOCK | cls.IN_CLOEXEC)
             if fd < 0:
                 return None
-            if libc.inotify_add_watch(fd, os.fsencode(wal_path), cls.IN_MODIFY) < 0:
+            wal_watch = libc.inotify_add_watch(fd, os.fsencode(wal_path), cls.IN_MODIFY)
+            if wal_watch < 0:
                 os.close(fd)
                 return None
+            if bell_path is not None:
+                # Without the bell's watch the WAL's alone still wakes every look.
+                libc.inotify_add_watch(fd, os.fsencode(bell_path), cls.IN_ATTRIB)
         except (OSError, AttributeError):
             return None
-        return cls(fd)
+        return cls(fd, wal_watch)
 
     def fileno(self) -> int:
         return self.fd
 
     def drain(self) -> bool:
-        """Consume pending events; True if there were any."""
-        seen = False
+        """Consume pending events; True if the WAL was written (a commit on its way).
+        A bell alone says False: its commit is visible already, nothing to wait for."""
+        written = False
         try:
-            while os.read(self.fd, 4096):
-                seen = True
+            while chunk := os.read(self.fd, 4096):
+                # Whole events only: the kernel never splits one across reads.
+                at = 0
+                while at + self.EVENT.size <= len(chunk):
+                    watch, _, _, name_len = self.EVENT.unpack_from(chunk, at)
+                    written = written or watch == self.wal_watch
+                    at += self.EVENT.size + name_len
         except BlockingIOError:
             pass
-        return seen
+        return written
 
     def close(self) -> None:
         os.close(self.fd)
@@ -121,9 +146,10 @@ class WalNotifier:
 class WalSignal:
     """SQLite's commit signal: block on inotify until a writer touches the WAL, then poll
     ``PRAGMA data_version`` at doubling intervals from ``settle_interval_s`` until the
-    commit is visible (or ``settle_window_s`` passes: the writer rolled back).  Without
-    inotify, poll ``data_version`` every ``poll_interval_s``.  Either way nothing spins
-    while the ledger is idle.
+    commit is visible (or ``settle_window_s`` passes: the writer rolled back); the
+    commit bell ends such a wait the moment a runstile writer's commit that made broker
+    rows ready returns (:class:`WalNotifier`).  Without inotify, poll ``data_version``
+    every ``poll_interval_s``.  Either way nothing spins while the ledger is idle.
 
     ``data_version`` never moves for a connection's own commits: this connection only
     reads, so every commit (heartbeats included, which go through another) shows."""
@@ -141,8 +167,8 @@ class WalSignal:
         self.conn = conn
         self.poll_interval_s = broker.poll_interval_s
         self.last_version: int | None = broker_queue.data_version(conn)  # creates -wal
-        self.notifier = (WalNotifier.open(str(broker.path) + "-wal") if broker.wal_notify
-                         else None)
+        self.notifier = (WalNotifier.open(str(broker.path) + "-wal", db_gate.commit_bell(broker.path))
+                         if broker.wal_notify else None)
         self.mode = "inotify" if self.notifier else "poll"
         #: The data_version at the last WAL write, while its commit is awaited.
         self.awaiting: int | None = None
