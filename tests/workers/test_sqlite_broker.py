@@ -564,8 +564,7 @@ def test_a_commit_that_makes_broker_rows_ready_rings_the_bell_and_no_other_write
     assert not _bell_rang(ledger, rolled_back)
     # Every other write stays silent: a heartbeat that releases nothing, a claim, an ack.
     info = broker_queue.ConsumerInfo("c1", "default", os.getpid(), "here", 30.0)
-    assert not _bell_rang(ledger, lambda conn: broker_queue._upsert_consumers(conn, [info]))
-    assert not _bell_rang(ledger, lambda conn: broker_queue._reap(conn))
+    assert not _bell_rang(ledger, lambda conn: broker_queue.heartbeat(conn, [info]))
     held = drain(consumer, 1)
     assert not _bell_rang(ledger, lambda conn: conn.execute(
         "UPDATE broker_messages SET claimed_at = claimed_at WHERE id = ?",
