@@ -27,7 +27,10 @@ through runstile's own ledger functions (admission with its idempotency record,
 dispatch, broker message and ``run.queued`` event; the broker claim; the run claim with
 its ``run.started`` event; the finish; the broker ack), then each is copied with a
 recursive-CTE ``INSERT ... SELECT`` into the schema ``migrations.migrate`` created, with
-fresh ids and times spread over the past days, and the originals are deleted.  After the
+fresh ids and times spread over the past days, and the originals are deleted.  The ids
+are shaped as runstile's admission makes them (the creation time in milliseconds, then
+80 random bits: ledger/admission.py, ``new_run_id``), or with BENCH_RECOVERY_IDS=random
+wholly random, as client-supplied run ids may be.  After the
 pass, a snapshot taken before it is compared table by table: exactly the 1,000 runs
 changed, as docs/tasks.md, "When the worker is gone" says, each with one new ``run.interrupted`` event; nothing else.
 """
@@ -63,6 +66,16 @@ CRASH_AGO_S = 120.0
 #: DBOS executor ids.
 DBOS_DEAD_EXECUTOR = "bench-executor-dead"
 DBOS_NEW_EXECUTOR = "bench-executor-new"
+#: How the bench's fresh run ids are made, per BENCH_RECOVERY_IDS.  "runstile": as
+#: ledger/admission.py's new_run_id makes them, the creation time in milliseconds (12 hex
+#: digits) then 80 random bits, so ids sort by creation, as in a ledger runstile wrote;
+#: "random": 128 random bits, as client-supplied run ids may be (every index keyed by run
+#: id then holds a dead node's runs scattered over its leaves, not near its right edge).
+RUN_ID_SHAPES = {
+    "runstile": "'run_' || printf('%012x', CAST(t * 1000 AS INTEGER) & 281474976710655) "
+                "|| lower(hex(randomblob(10)))",
+    "random": "'run_' || lower(hex(randomblob(16)))",
+}
 #: Completed DBOS workflows run for real by the crashing application (copied as filler).
 DBOS_TEMPLATES = 5
 
@@ -78,6 +91,8 @@ class RecoverySettings:
     timeout_s: float
     install: bool
     keep: bool
+    #: "runstile": run ids as the server makes them; "random": as clients may choose them.
+    ids: str = "runstile"
 
     @property
     def completed(self) -> int:
@@ -100,7 +115,11 @@ class RecoverySettings:
                   repeats=max(1, int(env("BENCH_RECOVERY_REPEATS", "3"))),
                   timeout_s=float(env("BENCH_RECOVERY_TIMEOUT", "120")),
                   install=env("BENCH_NO_INSTALL") != "1",
-                  keep=env("BENCH_KEEP") == "1")
+                  keep=env("BENCH_KEEP") == "1",
+                  ids=env("BENCH_RECOVERY_IDS", "runstile"))
+        if cfg.ids not in RUN_ID_SHAPES:
+            raise SystemExit(f"BENCH_RECOVERY_IDS: {cfg.ids!r}; choose from "
+                             f"{', '.join(RUN_ID_SHAPES)}")
         if cfg.completed < 1 or cfg.orphans < 1:
             raise SystemExit("BENCH_RECOVERY_RUNS must exceed orphans + queued + failed")
         return cfg
@@ -252,12 +271,14 @@ def build_ledger(path: Path, cfg: RecoverySettings) -> dict:
             conn.execute(
                 "WITH RECURSIVE c(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM c WHERE i + 1 < ?) "
                 "INSERT INTO plan (kind, tmpl, id, t, msg, pid, thread, lease) "
-                "SELECT ?, ?, 'run_' || lower(hex(randomblob(16))), "
+                "SELECT ?, ?, NULL, "
                 "? + i * ? + (abs(random()) % 1000) / 1000.0 * ?, "
                 f"{_UUID}, 40000 + i % ?, (i / ?) % ?, "
                 "? + (abs(random()) % 15000) / 1000.0 FROM c",
                 (count, kind, tmpl[kind], first, span, span, DEAD_PROCESSES, DEAD_PROCESSES,
                  DEAD_THREADS, crash))
+        # The ids, once every run has its time (RUN_ID_SHAPES).
+        conn.execute(f"UPDATE plan SET id = {RUN_ID_SHAPES[cfg.ids]}")
         # Every table keyed by run: copy each template's rows for each planned run, every
         # column as the ledger functions wrote it except the overrides below; columns named
         # *_at are times, shifted with the run's created_at.  Generic over the columns, so

@@ -479,7 +479,7 @@ def print_recovery_table(report: dict) -> None:
     print()
     print(f"recovery benchmark — {cfg['orphans']} runs / workflows whose owner died, in "
           f"{cfg['runs']} runs / workflows; median of {cfg['repeats']} recoveries per target "
-          f"(each on a fresh copy); {cfg['cpus']} CPUs")
+          f"(each on a fresh copy); run ids {cfg.get('run_ids', 'random')}; {cfg['cpus']} CPUs")
     header = (f"{'target':<38} {'items':>6} {'seconds':>9} {'items/s':>9} "
               f"{'runstile/this':>14} {'process wall s':>15} {'wall items/s':>13}")
     print(header)
@@ -602,7 +602,7 @@ def recovery_section() -> bool:
         "time": stamp,
         "config": {"runs": cfg.runs, "orphans": cfg.orphans, "queued": cfg.queued,
                    "failed": cfg.failed, "completed": cfg.completed, "repeats": cfg.repeats,
-                   "cpus": os.cpu_count(), "python": platform.python_version(),
+                   "run_ids": cfg.ids, "cpus": os.cpu_count(), "python": platform.python_version(),
                    "sqlite": sqlite3.sqlite_version, "platform": platform.platform()},
         "targets": rows,
         "ratios": {

@@ -662,11 +662,17 @@ def write_docs(summary: dict, reports: dict, started: datetime, seconds: float) 
         lines.append(f"* recovery: {rec.get('orphans')} items whose owner died among "
                      f"{rec.get('runs')}; median of {rec.get('repeats')} recoveries per "
                      "target, each on a fresh copy; `runstile recover --json` against "
-                     "`DBOS._recover_pending_workflows`.")
+                     "`DBOS._recover_pending_workflows`; run ids "
+                     f"{_RUN_IDS.get(rec.get('run_ids', 'random'), '?')}.")
     lines += _pg_commands(reports.get("postgresql"))
     lines += ["", "## How to read it", "", HOW_TO_READ.format(cpus=m["cpus"])]
     md_path.write_text("\n".join(lines).rstrip() + "\n")
     return [md_path] + ([] if chart_problem else [png_path])
+
+
+#: How the recovery section's ledger spells its run ids (BENCH_RECOVERY_IDS).
+_RUN_IDS = {"runstile": "as runstile makes them (creation time first, then 80 random bits)",
+            "random": "wholly random (as client-supplied ids may be)"}
 
 
 def _pg_commands(pg: dict | None) -> list[str]:
