@@ -16,6 +16,11 @@ The batch is topped up once the transaction holds the write lock: whatever was h
 over while the committer waited for the lock (other processes hold it most of the time
 under load) rides in this commit instead of waiting out another turn of the lock.
 
+A thread may also hand a unit over without waiting (:meth:`GroupCommitter.hand_over`):
+it is told on the committer thread once the unit is settled, under the same rule (after
+the COMMIT, or of the failure).  A worker thread hands over its run's finish that way
+and goes on to its next message, whose claim then usually rides in the same commit.
+
 A unit's work may be a :class:`BatchWork`, offering ``run_many(conn, works) -> [(result,
 refusal), ...]``: the units of a batch that share it are then run by one call, so that their writes can be
 set-based (admissions: ``ledger.admission.reserve_many``).  Same contract: refusals per unit,
@@ -24,15 +29,18 @@ before writing; any other exception aborts the batch.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from ..errors import LedgerUnavailable, RunstileError
 from . import db
+
+log = logging.getLogger("runstile.ledger")
 
 #: Most units one transaction carries; bounds the time the write lock is held.
 MAX_BATCH = 64
@@ -60,6 +68,9 @@ class Unit:
         self.result: Any = None
         self.error: BaseException | None = None
 
+    def settled(self) -> None:
+        """Called by the committer thread once the unit's batch committed or failed."""
+
 
 class _Waiting(Unit):
     """A unit whose request thread sleeps until the committer has settled it."""
@@ -73,6 +84,26 @@ class _Waiting(Unit):
         #: Event: one wake-up without a Condition's bookkeeping.)
         self.done = threading.Lock()
         self.done.acquire()
+
+    def settled(self) -> None:
+        self.done.release()
+
+
+class _HandedOver(Unit):
+    """A unit nobody waits for: its ``then`` is told, on the committer thread."""
+
+    __slots__ = ("then",)
+
+    def __init__(self, work: Callable[[sqlite3.Connection], Any],
+                 then: Callable[[Unit], None]) -> None:
+        super().__init__(work)
+        self.then = then
+
+    def settled(self) -> None:
+        try:
+            self.then(self)
+        except Exception:  # noqa: BLE001 - the committer thread must outlive a callback
+            log.exception("a committed unit's follow-up failed")
 
 
 #: ``more(room)``: units that arrived since the batch was taken (the committer thread's:
@@ -126,19 +157,32 @@ class GroupCommitter:
 
     def __init__(self, connect: Callable[[], sqlite3.Connection]) -> None:
         self._connect = connect
-        self._queue: queue.SimpleQueue[_Waiting] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Unit] = queue.SimpleQueue()
         self._pid: int | None = None
         self._start_lock = threading.Lock()
 
     def run(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``work(conn)`` inside a shared write transaction; return once committed."""
-        self._ensure_thread()
         unit = _Waiting(work)
-        self._queue.put(unit)
+        self._hand(unit)
         unit.done.acquire()
         if unit.error is not None:
             raise unit.error
         return unit.result
+
+    def hand_over(self, work: Callable[[sqlite3.Connection], Any],
+                  then: Callable[[Unit], None]) -> None:
+        """Run ``work(conn)`` inside a shared write transaction without waiting for it:
+        ``then(unit)`` is called on the committer thread once the batch is settled
+        (``unit.result``, or ``unit.error`` when it did not commit), outside the
+        transaction and the write lock.  ``then`` must be quick and must never wait
+        for this committer (it would wait for itself).  Units are settled in the order
+        they were handed over, waited for or not."""
+        self._hand(_HandedOver(work, then))
+
+    def _hand(self, unit: Unit) -> None:
+        self._ensure_thread()
+        self._queue.put(unit)
 
     def _ensure_thread(self) -> None:
         if self._pid == os.getpid():
@@ -157,7 +201,7 @@ class GroupCommitter:
             batch += self._waiting(MAX_BATCH - 1)
             batches.settle(batch, self._waiting)
             for unit in batch:
-                cast(_Waiting, unit).done.release()
+                unit.settled()
 
     def _waiting(self, room: int) -> list[Unit]:
         """Up to ``room`` units already handed over, without waiting for more."""

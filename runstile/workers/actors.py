@@ -25,7 +25,7 @@ from ..jsondepth import MAX_DEPTH
 from ..ledger import execution
 from ..ledger.db import ConnectionPool
 from ..ledger.execution import Owner
-from ..ledger.group_commit import GroupCommitter
+from ..ledger.group_commit import GroupCommitter, Unit
 from ..queues import DEFAULT_QUEUE
 from . import metrics
 from .context import (
@@ -61,7 +61,8 @@ class Executor:
     (ledger/group_commit.py): the claims and finishes its threads have ready at one
     moment commit in one transaction, each in a savepoint of its own, instead of
     queueing one by one for the ledger's write lock.  A thread learns its claim's
-    outcome only after that COMMIT, so a body still starts only on a durable claim.
+    outcome only after that COMMIT, so a body still starts only on a durable claim.  Its
+    finish it hands over without waiting (``_aftermath``).
     """
 
     def __init__(self, settings: Settings, broker: dramatiq.Broker, *, node: str,
@@ -89,7 +90,27 @@ class Executor:
 
     def _execute(self, run_id: str, dispatch_id: int | None, queue: str) -> None:
         owner = self.owner()
-        conn = self.pool.get()
+        run = self._claim(run_id, dispatch_id, queue, owner)
+        if run is None:
+            return
+        started = time.monotonic()
+        logs.set_task(run["task"])
+        metrics.claimed(run)
+        self.executions.outcome_owed()
+        handed_over = False
+        try:
+            outcome = self._body(run, owner, self.pool.get())
+            if outcome is not None:
+                handed_over = self._aftermath(run, owner, outcome, started)
+        finally:
+            if not handed_over:
+                self.executions.outcome_settled()
+
+    def _claim(self, run_id: str, dispatch_id: int | None, queue: str,
+               owner: Owner) -> dict | None:
+        """The run, once this worker's claim of it has committed; None when the claim
+        lost (the message is a logged no-op) or met an unavailable ledger (the message
+        comes back shortly)."""
         # On the embedded broker the claim also acks this message, in its transaction:
         # a run costs two durable commits, its claim and its finish (docs/guarantees.md,
         # "Commits per run").
@@ -111,7 +132,7 @@ class Executor:
                         CLAIM_RETRY_DELAY_MS)
             self.broker.enqueue(dispatch.message_for(run_id, dispatch_id, queue=queue),
                                 delay=CLAIM_RETRY_DELAY_MS)
-            return
+            return None
         if message is not None:
             message.settled = True
         crashpoints.hit(self.settings, "after_claim")
@@ -119,13 +140,7 @@ class Executor:
             metrics.claim_lost(claim.outcome)
             log.info("run %s: claim lost (%s); message acknowledged as a no-op (dispatch %s)",
                      run_id, claim.outcome, dispatch_id)
-            return
-        started = time.monotonic()
-        logs.set_task(claim.run["task"])
-        metrics.claimed(claim.run)
-        outcome = self._body(claim.run, owner, conn)
-        if outcome is not None:
-            self._aftermath(claim.run, owner, outcome, started)
+        return claim.run
 
     def _body(self, run: dict, owner: Owner, conn) -> dict | None:
         """Run the task body; the outcome to record, or None when there is nothing left
@@ -175,14 +190,59 @@ class Executor:
         return {"status": "failed", "error_code": code,
                 "error_message": f"{type(exc).__name__}: {exc}"[:2000]}
 
-    def _aftermath(self, run: dict, owner: Owner, outcome: dict, started: float) -> None:
-        """Record what the body came to: a retry, or the run's terminal status."""
+    def _aftermath(self, run: dict, owner: Owner, outcome: dict, started: float) -> bool:
+        """Record what the body came to: a retry, or the run's terminal status.  True
+        when the finish was handed to the committer (``_finished`` settles it)."""
         crashpoints.hit(self.settings, "after_body")
         spec = registry.get(run["task"])
         assert spec is not None
         if outcome["status"] == "failed" and self._retry(run, owner, spec, outcome):
+            return False
+        # Not waited for: this thread goes on to its next message, whose claim then
+        # usually commits in the same transaction as this finish (one fsync for both,
+        # where waiting cost a commit each).  Nothing of this run is left to this thread:
+        # its body is over, its message was acked by its claim (or is acked by Dramatiq
+        # now, Redis/RabbitMQ), and the committer settles units in the order they came,
+        # so this finish commits no later than this thread's next claim (unless its batch
+        # fails: then it is retried, and the claim's checks of sessions and slots see the
+        # run still running, as they would see any other's).  Its outcome
+        # stays owed (Executions) until settled: a drain waits for it before exiting.
+        self.committer.hand_over(
+            lambda batch: execution.finish(batch, run["id"], owner, **outcome,
+                                           enqueue=self.dispatcher.enqueue),
+            then=lambda unit: self._finished(run, owner, outcome, started, unit))
+        return True
+
+    def _finished(self, run: dict, owner: Owner, outcome: dict, started: float,
+                  unit: Unit) -> None:
+        """On the committer thread, once the finish's batch is settled: count it, or
+        retry an unavailable ledger on a thread of its own (never here: the retry waits
+        for this very committer)."""
+        if isinstance(unit.error, LedgerUnavailable):
+            threading.Thread(target=self._finish_retrying, name="runstile-finish-retry",
+                             args=(run, owner, outcome, started, unit.error),
+                             daemon=True).start()
             return
-        finished = self._finish(run["id"], owner, outcome)
+        try:
+            if unit.error is not None:
+                log.error("run %s: recording its outcome failed; recovery will classify it",
+                          run["id"], exc_info=unit.error)
+            else:
+                self._recorded(run, outcome, unit.result, started)
+        finally:
+            self.executions.outcome_settled()
+
+    def _finish_retrying(self, run: dict, owner: Owner, outcome: dict, started: float,
+                         first: LedgerUnavailable) -> None:
+        try:
+            log.warning("run %s: recording its outcome failed (%s); retrying", run["id"],
+                        first.message)
+            self._recorded(run, outcome, self._finish(run["id"], owner, outcome), started)
+        finally:
+            self.executions.outcome_settled()
+
+    def _recorded(self, run: dict, outcome: dict, finished: dict | None,
+                  started: float) -> None:
         if finished is None:
             log.warning("run %s: no longer owned by this worker; outcome %s dropped",
                         run["id"], outcome["status"])

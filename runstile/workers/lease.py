@@ -50,6 +50,31 @@ class Executions:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: dict[str, Execution] = field(default_factory=dict)
+    #: Runs this process claimed whose outcome is not settled yet: the body runs, or it
+    #: ended and its finish waits in the committer (workers/actors.py hands it over
+    #: without waiting).  Settled: committed, or given up to recovery.
+    owed: int = 0
+
+    def __post_init__(self) -> None:
+        #: Notified when a body ends or an outcome is settled (drain waits on it).
+        self.changed = threading.Condition(self.lock)
+
+    def outcome_owed(self) -> None:
+        """A claim won: this process owes the run an outcome (or recovery does)."""
+        with self.lock:
+            self.owed += 1
+
+    def outcome_settled(self) -> None:
+        with self.lock:
+            self.owed -= 1
+            self.changed.notify_all()
+
+    def wait_for_outcomes(self, timeout_s: float) -> bool:
+        """Wait until every run whose body is not running any more has its outcome
+        settled; False if ``timeout_s`` passed first.  (The runs still running are
+        the drain's to mark.)"""
+        with self.lock:
+            return self.changed.wait_for(lambda: self.owed <= len(self.active), timeout_s)
 
     def begin(self, run_id: str, owner: Owner, time_limit_s: float | None) -> Execution:
         now = time.monotonic()
@@ -68,6 +93,7 @@ class Executions:
     def end(self, item: Execution) -> None:
         with self.lock:
             self.active.pop(item.run_id, None)
+            self.changed.notify_all()
 
     def snapshot(self) -> list[Execution]:
         with self.lock:

@@ -31,6 +31,9 @@ log = logging.getLogger("runstile.workers")
 CONSUMER_TIMEOUT_MS = 1000
 #: Seconds the main thread waits on the signal pipe before looking again.
 SIGNAL_POLL_S = 1.0
+#: Seconds a drain past its timeout still gives the outcomes of ended bodies to commit
+#: (normally they commit within milliseconds; the supervisor SIGKILLs 5 s after the timeout).
+OUTCOME_GRACE_S = 2.0
 
 
 def run(settings: Settings, generation: int) -> int:
@@ -96,3 +99,9 @@ def drain(settings: Settings, workers: list[dramatiq.Worker], executions: Execut
                       "and recovery will classify them", exc.message)
     else:
         log.info("drained: every running body finished")
+    # The outcomes of the bodies that ended are handed to the committer without waiting
+    # (workers/actors.py): they commit before the process exits, or the runs would be
+    # left to recovery as if their bodies had died.
+    if not executions.wait_for_outcomes(max(deadline - time.monotonic(), OUTCOME_GRACE_S)):
+        log.error("drain: some outcomes were not recorded in time; recovery will "
+                  "classify their runs")
