@@ -11,23 +11,15 @@ import pytest
 
 from runstile.ledger import db, group_commit
 from runstile.workers.lease import Executions
-from tests.unit.test_group_commit_top_up import (
+from tests.unit.commit_helpers import (
     WriteLockHolder,
     counting_transactions,
+    handed_rows,
     insert,
-    ledger,  # noqa: F401 - the fixture
 )
 
 #: Seconds any wait of these tests may take before it counts as a hang.
 WAIT_S = 10
-
-
-def rows(target) -> list[int]:
-    conn = db.connect(target)
-    try:
-        return [r[0] for r in conn.execute("SELECT n FROM handed ORDER BY n")]
-    finally:
-        conn.close()
 
 
 class FollowUps:
@@ -40,13 +32,13 @@ class FollowUps:
         self.done = threading.Event()
 
     def then(self, unit: group_commit.Unit) -> None:
-        self.told.append((unit.result, unit.error, rows(self.target)))
+        self.told.append((unit.result, unit.error, handed_rows(self.target)))
         self.threads.append(threading.current_thread().name)
         self.done.set()
 
 
-def test_a_unit_handed_over_commits_and_its_follow_up_is_told_after_the_commit(ledger):  # noqa: F811
-    target, _ = ledger
+def test_a_unit_handed_over_commits_and_its_follow_up_is_told_after_the_commit(handed_ledger):
+    target, _ = handed_ledger
     committer = group_commit.GroupCommitter(lambda: db.connect(target))
     follow = FollowUps(target)
     committer.hand_over(insert(7), then=follow.then)
@@ -56,8 +48,8 @@ def test_a_unit_handed_over_commits_and_its_follow_up_is_told_after_the_commit(l
     assert follow.threads == ["runstile-group-commit"]
 
 
-def test_a_handed_over_unit_that_fails_is_told_its_error_and_writes_nothing(ledger):  # noqa: F811
-    target, _ = ledger
+def test_a_handed_over_unit_that_fails_is_told_its_error_and_writes_nothing(handed_ledger):
+    target, _ = handed_ledger
     committer = group_commit.GroupCommitter(lambda: db.connect(target))
     follow = FollowUps(target)
 
@@ -71,11 +63,11 @@ def test_a_handed_over_unit_that_fails_is_told_its_error_and_writes_nothing(ledg
     assert result is None and isinstance(error, ValueError) and seen == []
     # The committer goes on.
     assert committer.run(insert(2)) == 2
-    assert rows(target) == [2]
+    assert handed_rows(target) == [2]
 
 
-def test_a_follow_up_that_raises_does_not_stop_the_committer(ledger, caplog):  # noqa: F811
-    target, _ = ledger
+def test_a_follow_up_that_raises_does_not_stop_the_committer(handed_ledger, caplog):
+    target, _ = handed_ledger
     committer = group_commit.GroupCommitter(lambda: db.connect(target))
 
     def then(unit):
@@ -83,15 +75,15 @@ def test_a_follow_up_that_raises_does_not_stop_the_committer(ledger, caplog):  #
 
     committer.hand_over(insert(1), then=then)
     assert committer.run(insert(2)) == 2
-    assert rows(target) == [1, 2]
+    assert handed_rows(target) == [1, 2]
     assert "a committed unit's follow-up failed" in caplog.text
 
 
-def test_a_unit_handed_over_and_a_later_one_waited_for_share_one_commit_in_order(ledger):  # noqa: F811
+def test_a_unit_handed_over_and_a_later_one_waited_for_share_one_commit_in_order(handed_ledger):
     """A finish handed over, then the same thread's next claim, waited for: while another
     writer holds the lock both queue up, then commit in one transaction, the finish first;
     the follow-up of the first is told before the second's waiter wakes."""
-    target, _ = ledger
+    target, _ = handed_ledger
     begun: list[int] = []
     committer = group_commit.GroupCommitter(
         counting_transactions(lambda: db.connect(target), begun))
@@ -117,7 +109,7 @@ def test_a_unit_handed_over_and_a_later_one_waited_for_share_one_commit_in_order
         assert not finish_told.wait(0.3)
     waiter.join(WAIT_S)
     assert order == ["claim sees [0, 1]", "told 1", "claimed 2"]
-    assert rows(target) == [0, 1, 2]
+    assert handed_rows(target) == [0, 1, 2]
     assert len(begun) == 1, f"{len(begun)} write transactions for the two units"
 
 
@@ -142,8 +134,8 @@ def test_a_drain_waits_for_the_outcomes_of_ended_bodies_not_for_running_ones():
 
 
 @pytest.mark.parametrize("units", [1, 20])
-def test_every_unit_handed_over_is_told_exactly_once(ledger, units):  # noqa: F811
-    target, _ = ledger
+def test_every_unit_handed_over_is_told_exactly_once(handed_ledger, units):
+    target, _ = handed_ledger
     committer = group_commit.GroupCommitter(lambda: db.connect(target))
     told: list[int] = []
     all_told = threading.Event()
@@ -158,4 +150,4 @@ def test_every_unit_handed_over_is_told_exactly_once(ledger, units):  # noqa: F8
     assert all_told.wait(WAIT_S)
     assert committer.run(insert(units)) == units  # after every one of them
     assert told == list(range(units))
-    assert rows(target) == list(range(units + 1))
+    assert handed_rows(target) == list(range(units + 1))

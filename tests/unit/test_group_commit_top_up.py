@@ -10,83 +10,26 @@ import fcntl
 import socket
 import termios
 import threading
-from collections.abc import Iterator
-
-import pytest
 
 from runstile import dispatch
 from runstile.config import Settings
-from runstile.ledger import admission, db, group_commit, keys, migrations
-from runstile.ledger.keys import Principal
+from runstile.ledger import admission, db, group_commit
 from runstile.web.writer import codec, server
 from runstile.web.writer.client import WriterClient
 from tests.conftest import wait_until
+from tests.unit.commit_helpers import (
+    WriteLockHolder,
+    counting_transactions,
+    handed_rows,
+    insert,
+)
 
 #: Units handed over while the committer waits for the lock.
 LATE = 5
 
 
-class WriteLockHolder:
-    """A write transaction of another connection, held open until released: every other
-    writer of the ledger waits for it (the writer gate on SQLite, the advisory lock on
-    PostgreSQL)."""
-
-    def __init__(self, target) -> None:
-        self.conn = db.connect(target)
-        self.held = threading.Event()
-        self.release = threading.Event()
-        self.thread = threading.Thread(target=self._hold)
-
-    def _hold(self) -> None:
-        with db.transaction(self.conn):
-            self.held.set()
-            self.release.wait(30)
-
-    def __enter__(self) -> WriteLockHolder:
-        self.thread.start()
-        assert self.held.wait(10)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release.set()
-        self.thread.join(10)
-        self.conn.close()
-
-
-def counting_transactions(connect, begun: list[int]):
-    """``connect``, whose connections count each write transaction they begin in
-    ``begun`` (the count goes up as the transaction starts waiting for the lock)."""
-    def opened():
-        conn = connect()
-        real = conn.writing
-
-        def writing(*args, **kwargs):
-            begun.append(1)
-            return real(*args, **kwargs)
-        conn.writing = writing  # an instance attribute: this connection alone
-        return conn
-    return opened
-
-
-@pytest.fixture
-def ledger(ledger_target) -> Iterator[tuple[object, Principal]]:
-    migrations.migrate(ledger_target)
-    conn = db.connect(ledger_target)
-    conn.execute("CREATE TABLE handed (n INTEGER NOT NULL)")
-    key_id, _ = keys.create(conn, "p")
-    conn.close()
-    yield ledger_target, Principal("p", key_id, "client")
-
-
-def insert(n: int):
-    def work(conn):
-        conn.execute(f"INSERT INTO handed (n) VALUES ({int(n)})")
-        return n
-    return work
-
-
-def test_units_handed_over_while_the_committer_waits_for_the_lock_share_its_commit(ledger):
-    target, _ = ledger
+def test_units_handed_over_while_the_committer_waits_for_the_lock_share_its_commit(handed_ledger):
+    target, _ = handed_ledger
     begun: list[int] = []
     committer = group_commit.GroupCommitter(
         counting_transactions(lambda: db.connect(target), begun))
@@ -109,17 +52,14 @@ def test_units_handed_over_while_the_committer_waits_for_the_lock_share_its_comm
     assert results == {n: n for n in range(LATE + 1)}
     # One transaction for all of them: the late units rode along with unit 0.
     assert len(begun) == 1
-    check = db.connect(target)
-    assert sorted(n for (n,) in check.execute("SELECT n FROM handed").fetchall()) == list(
-        range(LATE + 1))
-    check.close()
+    assert handed_rows(target) == list(range(LATE + 1))
 
 
-def test_a_top_up_that_fails_with_its_batch_retries_every_unit_alone(ledger):
+def test_a_top_up_that_fails_with_its_batch_retries_every_unit_alone(handed_ledger):
     """A unit that breaks the shared transaction (not a refusal) sends the whole batch,
     the units taken at the lock included, to the one-by-one retry: the others commit,
     the bad one alone gets its error."""
-    target, _ = ledger
+    target, _ = handed_ledger
     batch = [group_commit.Unit(insert(0))]
 
     def bad(conn):
@@ -131,13 +71,11 @@ def test_a_top_up_that_fails_with_its_batch_retries_every_unit_alone(ledger):
     assert batch[1:] == late  # taken into the batch, so its caller answers them too
     assert [unit.result for unit in batch] == [0, 1, None, 2]
     assert [unit.error is None for unit in batch] == [True, True, False, True]
-    check = db.connect(target)
-    assert sorted(n for (n,) in check.execute("SELECT n FROM handed").fetchall()) == [0, 1, 2]
-    check.close()
+    assert handed_rows(target) == [0, 1, 2]
 
 
-def test_admissions_sent_while_the_writer_waits_for_the_lock_share_its_commit(ledger, tmp_path):
-    target, principal = ledger
+def test_admissions_sent_while_the_writer_waits_for_the_lock_share_its_commit(handed_ledger, tmp_path):
+    target, principal = handed_ledger
     settings = (Settings(data_dir=tmp_path, database_url=target) if isinstance(target, str)
                 else Settings(data_dir=target.parent))
     mine, theirs = socket.socketpair()

@@ -15,7 +15,7 @@ import signal
 import time
 
 from tests.conftest import Api, wait_for_status, wait_until
-from tests.unit.test_group_commit_top_up import WriteLockHolder
+from tests.unit.commit_helpers import WriteLockHolder
 
 #: Seconds the test holds the write lock after the SIGTERM: well inside the drain timeout
 #: below and the ledger's busy timeout (5 s), so the finish waits and then commits.
