@@ -54,7 +54,7 @@ def write_new_runs(conn: sqlite3.Connection, fresh: Fresh,
         _runs_statement(fresh, now), ("SELECT COALESCE(MAX(id), 0) + 1 FROM dispatches", ())])
     # (After an INSERT, lastrowid is the last new row's id: never None.)
     last_seq, first_dispatch = cast(int, inserted.lastrowid), next_dispatch.fetchone()[0]
-    written = [(i, _run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now),
+    written = [(i, run_row(res.req, run_id, last_seq - len(fresh) + 1 + j, now),
                 first_dispatch + j) for j, (i, res, run_id) in enumerate(fresh)]
     # (AUTOINCREMENT numbers the rows of one INSERT consecutively, in VALUES order.)
     messages: list[broker_queue.NewMessage] = []
@@ -131,8 +131,10 @@ def _queued_events_statement(fresh: Fresh, now: float) -> db.Statement:
             + ", ".join(["(?, 1, 'run.queued', ?, ?)"] * len(fresh)), args)
 
 
-def _run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[str, Any]:
-    """The runs row a batch wrote, as ``SELECT *`` would return it."""
+def run_row(req: AdmissionRequest, run_id: str, seq: int, now: float) -> dict[str, Any]:
+    """The runs row a batch wrote, as ``SELECT *`` would return it.  Also what a web
+    process rebuilds a new run from when the admission writer answers with its id, seq
+    and clock only (web/writer/codec.py)."""
     run = dict.fromkeys(_RUN_COLUMNS)
     run.update(seq=seq, id=run_id, profile_id=req.principal.profile_id,
                key_id=req.principal.key_id, task=req.task, input=req.input_json,

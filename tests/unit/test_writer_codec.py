@@ -4,13 +4,14 @@ would have returned or raised in the web process itself."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from dataclasses import dataclass, fields
 
 import pytest
 
 from runstile import errors
-from runstile.ledger import admission, group_commit
+from runstile.ledger import admission, admission_rows, group_commit
 from runstile.ledger.keys import Principal
 from runstile.web.writer import codec as writer
 
@@ -133,8 +134,8 @@ def test_the_writer_enqueues_only_what_the_web_process_would_have_enqueued():
     assert writer.decode_request(writer.encode_request(reservation()), embedded).enqueue is None
 
 
-def unit_with(result=None, error=None) -> group_commit.Unit:
-    unit = group_commit.Unit(None)
+def unit_with(result=None, error=None, work=None) -> group_commit.Unit:
+    unit = group_commit.Unit(work)
     unit.result, unit.error = result, error
     return unit
 
@@ -143,7 +144,29 @@ def test_an_admitted_run_comes_back_as_the_same_admitted_run():
     run = {"seq": 7, "id": "run_" + "b" * 32, "input": '{"x":1}', "created_at": 1764460800.123,
            "result": None, "attempt": 1}
     admitted = admission.Admitted(run, replayed=True, dispatch_id=None)
-    assert writer.decode_outcome(writer.encode_outcome(unit_with(admitted))) == admitted
+    assert writer.decode_outcome(writer.encode_outcome(unit_with(admitted)), reservation()) \
+        == admitted
+
+
+def test_a_new_run_comes_back_as_its_id_seq_and_clock_and_the_web_process_rebuilds_its_row():
+    sent = reservation(delay_s=2.5, priority=7, retry_of="run_" + "e" * 32)
+    received = writer.decode_request(writer.encode_request(sent), None)
+    run = admission_rows.run_row(received.req, "run_" + "b" * 32, 41, 1764460800.125)
+    encoded = writer.encode_outcome(unit_with(admission.Admitted(run, False, 9), work=received))
+    assert json.loads(encoded) == ["new", "run_" + "b" * 32, 41, 1764460800.125, 9]
+    assert writer.decode_outcome(encoded, sent) == admission.Admitted(run, False, 9)
+    assert run["not_before"] == 1764460800.125 + 2.5 and run["input"] == sent.req.input_json
+
+
+def test_a_new_run_whose_row_is_not_the_one_its_request_makes_comes_back_whole():
+    """The writer checks before it abbreviates: a row written another way (or changed by
+    a later version's trigger) reaches the web process as the writer has it."""
+    sent = reservation()
+    run = {**admission_rows.run_row(sent.req, "run_" + "b" * 32, 41, 1764460800.125),
+           "status": "running"}
+    encoded = writer.encode_outcome(unit_with(admission.Admitted(run, False, 9), work=sent))
+    assert json.loads(encoded)[0] == "ok"
+    assert writer.decode_outcome(encoded, sent) == admission.Admitted(run, False, 9)
 
 
 @pytest.mark.parametrize("error", [
@@ -154,7 +177,7 @@ def test_an_admitted_run_comes_back_as_the_same_admitted_run():
 ])
 def test_a_refusal_is_raised_in_the_web_process_as_the_same_error(error):
     with pytest.raises(type(error)) as raised:
-        writer.decode_outcome(writer.encode_outcome(unit_with(error=error)))
+        writer.decode_outcome(writer.encode_outcome(unit_with(error=error)), reservation())
     assert (raised.value.code, raised.value.status) == (error.code, error.status)
     assert raised.value.message == error.message and raised.value.details == error.details
 
@@ -162,19 +185,20 @@ def test_a_refusal_is_raised_in_the_web_process_as_the_same_error(error):
 def test_a_uniqueness_race_comes_back_as_an_admission_race_for_admit_to_re_read():
     race = sqlite3.IntegrityError("UNIQUE constraint failed: runs.id")
     with pytest.raises(errors.AdmissionRace, match="UNIQUE"):
-        writer.decode_outcome(writer.encode_outcome(unit_with(error=race)))
+        writer.decode_outcome(writer.encode_outcome(unit_with(error=race)), reservation())
 
 
 def test_a_bug_in_the_writer_is_a_server_error_not_a_refusal():
     with pytest.raises(errors.AdmissionWriterFailed, match="KeyError") as raised:
-        writer.decode_outcome(writer.encode_outcome(unit_with(error=KeyError("x"))))
+        writer.decode_outcome(writer.encode_outcome(unit_with(error=KeyError("x"))),
+                              reservation())
     assert (raised.value.status, raised.value.code) == (500, "internal_error")
 
 
 def test_an_error_class_this_version_does_not_know_is_still_a_runstile_error():
     encoded = writer._dumps(["refused", "FromTheFuture", "something new", {}]).encode()
     with pytest.raises(errors.RunstileError) as raised:
-        writer.decode_outcome(encoded)
+        writer.decode_outcome(encoded, reservation())
     assert raised.value.message == "something new"
 
 

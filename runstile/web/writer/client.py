@@ -54,7 +54,7 @@ class WriterClient:
             self._drop()
             self.on_unreachable()
             return self.local.run(work)
-        return decode_outcome(self._answer(sock))
+        return decode_outcome(self._answer(sock), work)
 
     def _answer(self, sock: socket.socket) -> bytes:
         """The writer's answer to the request just sent on ``sock``."""
