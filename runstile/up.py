@@ -31,6 +31,12 @@ from .recovery import reconcile
 from .signals import StopSignals
 from .workers.scheduler import Scheduler
 
+#: How a child runs this installation's runstile.  ``-P``: ``-m`` would otherwise put the
+#: working directory first on sys.path, and a ``runstile/`` folder there (a checkout of
+#: another version) would be what the children run; task modules beside it are still
+#: found (tasks.load adds the working directory once runstile is imported).
+RUNSTILE = [sys.executable, "-P", "-m", "runstile"]
+
 #: Seconds children get after the drain timeout before they are killed
 #: (docs/operations.md, "Signals").
 KILL_GRACE_S = 5.0
@@ -87,7 +93,7 @@ class Supervisor:
         return args
 
     def plan_web(self) -> list[Child]:
-        s, runstile = self.settings, [sys.executable, "-m", "runstile"]
+        s, runstile = self.settings, RUNSTILE
         if not self.web:
             return []
         return [Child("web", [
@@ -96,7 +102,7 @@ class Supervisor:
             str(s.web_threads)])]
 
     def plan_workers(self, generation: int) -> list[Child]:
-        s, runstile = self.settings, [sys.executable, "-m", "runstile"]
+        s, runstile = self.settings, RUNSTILE
         children = []
         for n in range(s.workers):
             children.append(Child(f"worker-{n + 1}", [

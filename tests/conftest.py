@@ -25,6 +25,7 @@ import pytest
 import requests
 
 from runstile.ledger import db, keys, migrations
+from runstile.web.writer.supervisor import ENTRY
 from tests import postgres
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,7 +327,8 @@ def is_writer(pid: int) -> bool:
 def writer_socket(pid: int) -> str:
     """Where the admission writer ``pid`` listens (the path on its command line)."""
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().split(b"\0")[3].decode()
+        words = f.read().split(b"\0")
+    return words[words.index(ENTRY.encode()) + 1].decode()
 
 
 def writer_listening(pid: int) -> bool:

@@ -8,20 +8,28 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
-from tests.conftest import ROOT, free_port, running_in_group, wait_until
+from tests.conftest import (
+    ROOT,
+    free_port,
+    is_writer,
+    running_in_group,
+    wait_until,
+    writer_listening,
+)
 
 
-def start_up(tmp_path, port):
+def start_up(tmp_path, port, command=(sys.executable, "-m", "runstile"), cwd=ROOT):
     log = tmp_path / "up.log"
-    proc = subprocess.Popen([sys.executable, "-m", "runstile", "up", "--data-dir",
+    proc = subprocess.Popen([*command, "up", "--data-dir",
                              str(tmp_path / "data"), "--port", str(port), "--workers", "2",
                              "--threads", "2", "--web-workers", "1"],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=ROOT)
+                            start_new_session=True, cwd=cwd)
     key = wait_until(lambda: re.search(r"rsk_[0-9a-f]{16}_[A-Za-z0-9_-]{43}", log.read_text()),
                      30, 0.05, "the bootstrap key")[0]
     url = f"http://127.0.0.1:{port}"
@@ -61,6 +69,38 @@ def test_up_runs_a_demo_task_and_shuts_down_with_no_orphan(tmp_path, how):
         if proc.poll() is None or running_in_group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "Traceback" not in log.read_text()
+
+
+def test_up_started_beside_another_runstile_folder_runs_the_installed_runstile(tmp_path):
+    """The working directory is first on a ``python -m``/``-c`` child's sys.path: a
+    ``runstile/`` folder there (a checkout of another version) must not become the code of
+    the web processes, the admission writer or the workers while the supervisor runs the
+    installed one (they speak one wire format only as the same code)."""
+    console = Path(sys.executable).with_name("runstile")
+    if not console.exists():
+        pytest.skip(f"no runstile console script beside {sys.executable}")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "runstile").mkdir(parents=True)
+    (elsewhere / "runstile" / "__init__.py").write_text(
+        'raise ImportError("the runstile folder of the working directory was imported")\n')
+    proc, key, url, log = start_up(tmp_path, free_port(), command=(str(console),),
+                                   cwd=elsewhere)
+    try:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        run = requests.post(url + "/v1/runs", json={"task": "chat", "input": {"text": "hi"}},
+                            headers=headers, timeout=10)
+        assert run.status_code == 202, run.text
+        done = wait_until(lambda: (lambda r: r if r["status"] == "completed" else None)(
+            requests.get(url + f"/v1/runs/{run.json()['id']}", headers=headers,
+                         timeout=10).json()), 30, 0.05, "the demo run")
+        assert done["result"] == {"reply": "You said: hi"}
+        writers = [pid for pid in running_in_group(proc.pid) if is_writer(pid)]
+        assert len(writers) == 1 and writer_listening(writers[0]), writers
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=40)
+    assert "ImportError" not in log.read_text() and "Traceback" not in log.read_text()
+    assert "admission writer did not start" not in log.read_text()
 
 
 def test_the_bootstrap_key_is_printed_once_and_only_on_first_start(tmp_path):

@@ -35,8 +35,12 @@ _REAP_S = 5.0
 #: Seconds a writer asked to stop (SIGTERM) may take before it is killed.
 _STOP_S = 10.0
 
-#: The writer's command line: ``python -c ENTRY PATH FD`` (tests read PATH, the fourth
-#: word, from /proc/PID/cmdline, and know the writer by the module named here).
+#: The writer's command line: ``python -P -c ENTRY PATH FD`` (tests read PATH, the word
+#: after ENTRY, from /proc/PID/cmdline, and know the writer by the module named here).
+#: ``-P``: without it ``-c`` puts the working directory first on sys.path, and a
+#: ``runstile/`` folder there (a checkout of another version) would be the writer's
+#: runstile while the web processes run the installed one; the two speak one wire
+#: format only when they are the same code (codec.py).
 ENTRY = "import sys; from runstile.web.writer.server import main; sys.exit(main())"
 
 
@@ -77,7 +81,7 @@ class WriterProcess:
                 theirs.close()
                 return False
             proc = subprocess.Popen(
-                [sys.executable, "-c", ENTRY, self.path, str(theirs.fileno())],
+                [sys.executable, "-P", "-c", ENTRY, self.path, str(theirs.fileno())],
                 stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),))
             self._proc, self._lifeline = proc, ours
         theirs.close()
