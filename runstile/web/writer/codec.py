@@ -18,8 +18,9 @@ function, sent as whether there is one: the writer puts its own in its place).
 An answer is ``["new", run id, seq, clock, dispatch_id]`` for a new run whose row is the
 one its request makes (``admission_rows.run_row``; the web process, which holds the
 request, rebuilds it), ``["ok", run, replayed, dispatch_id]`` for any other admitted run,
-``["refused", class name, message, details]``, ``["race", reason]`` (a uniqueness race: raised as ``AdmissionRace``, which
-``admission.admit`` answers by re-reading) or ``["failed", reason]`` (a bug in the writer).
+``["refused", class name, message, details]``, ``["race", reason]`` (a uniqueness race:
+raised as ``AdmissionRace``, which ``admission.admit`` answers by re-reading) or
+``["failed", reason]`` (a bug in the writer).
 """
 
 from __future__ import annotations
