@@ -203,10 +203,13 @@ def metrics_shared_by_children() -> Iterator[str]:
     inherited = shared_metrics_folder()
     folder = inherited or new_metrics_folder()
     share_metrics_across_processes(folder)
+    owner = os.getpid()
     try:
         yield folder
     finally:
-        if not inherited:
+        # Only by the process that made it: a child forked inside the block (gunicorn's
+        # web processes leave by sys.exit) runs this too, while the others still use it.
+        if not inherited and os.getpid() == owner:
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -227,3 +227,25 @@ def test_a_lingering_writer_answers_every_admission_of_its_batches(make_server, 
     # A replay is answered from the same batch machinery, lingering or not.
     assert api.post_run({"task": "echo", "input": 7}, idempotency_key="linger-7").json()[
         "replayed"] is True
+
+
+def test_a_web_process_retired_while_serve_runs_leaves_the_writer_and_metrics_alone(
+        make_server, ledger):
+    """gunicorn forks its web processes from inside serve's run and they leave by
+    sys.exit, so serve's clean-up ran in each one on its way out: the writer was stopped
+    and its socket removed, and so was the metrics folder every other process writes to.
+    SIGTTOU makes gunicorn retire one web process gracefully while serve goes on."""
+    server = make_server(web_workers=2)
+    wait_until(lambda: len(server.web_pids()) == 2, 15, 0.05, "2 web workers")
+    writer = wait_for_writer(server)
+    path = writer_socket(writer)
+    with open(f"/proc/{writer}/environ", "rb") as f:  # serve set it before starting it
+        metrics = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)[
+            b"PROMETHEUS_MULTIPROC_DIR"].decode()
+    os.kill(server.proc.pid, signal.SIGTTOU)
+    wait_until(lambda: len(server.web_pids()) == 1, 15, 0.05, "one web worker retired")
+    time.sleep(2.5)  # past the writer supervisor's restart delay after a stop
+    assert server.writer_pid() == writer and os.path.exists(path) and os.path.isdir(metrics)
+    api = Api(server, ledger.key(), ledger)
+    assert api.post_run({"task": "echo"}, idempotency_key="after").status_code == 202
+    assert "exited; restarting" not in server.log() and "Traceback" not in server.log()

@@ -64,6 +64,11 @@ class WriterProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lifeline: socket.socket | None = None
         self._watcher: threading.Thread | None = None
+        #: The ``serve`` process.  gunicorn forks the web processes from inside
+        #: run_gunicorn and a web process leaves by sys.exit, so the ``finally`` that
+        #: calls stop() runs in every web process that exits too (a graceful restart, a
+        #: SIGTERM to the group); only serve may stop the writer and remove its socket.
+        self._owner = os.getpid()
 
     def start(self) -> None:
         self._spawn()
@@ -142,6 +147,8 @@ class WriterProcess:
         return said
 
     def stop(self) -> None:
+        if os.getpid() != self._owner:
+            return  # a forked web process on its way out: the writer is serve's
         with self._guard:
             self._stopping.set()
             proc = self._proc
