@@ -69,9 +69,8 @@ def exec_with_url_in_env(settings: Settings, args: list[str]) -> NoReturn:
     import os
 
     from ..config import environment_for_children
-    # -P: the installation's runstile, never a runstile/ folder in the working directory.
-    os.execve(sys.executable, [sys.executable, "-P", "-m", "runstile", *args],
-              environment_for_children(settings))
+    from ..up import RUNSTILE
+    os.execve(sys.executable, [*RUNSTILE, *args], environment_for_children(settings))
 
 
 def _database_url_flag(raw: str) -> str | None:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from runstile.web.writer.supervisor import _STOPPED_S
 from tests.conftest import Api, Server, wait_for_writer, wait_until, writer_socket
 
 
@@ -244,7 +245,7 @@ def test_a_web_process_retired_while_serve_runs_leaves_the_writer_and_metrics_al
             b"PROMETHEUS_MULTIPROC_DIR"].decode()
     os.kill(server.proc.pid, signal.SIGTTOU)
     wait_until(lambda: len(server.web_pids()) == 1, 15, 0.05, "one web worker retired")
-    time.sleep(2.5)  # past the writer supervisor's restart delay after a stop
+    time.sleep(_STOPPED_S + 0.5)  # past the supervisor's restart delay after a stop
     assert server.writer_pid() == writer and os.path.exists(path) and os.path.isdir(metrics)
     api = Api(server, ledger.key(), ledger)
     assert api.post_run({"task": "echo"}, idempotency_key="after").status_code == 202

@@ -175,12 +175,11 @@ def encode_outcome(unit: group_commit.Unit) -> bytes:
 
 
 def _rebuilt(res: object, run: dict[str, Any]) -> dict[str, Any] | None:
-    """The row a web process rebuilds for ``run`` from the request it sent (None: no row
-    can be rebuilt, the run did not come from a request of this kind)."""
-    seq, now = run.get("seq"), run.get("created_at")
-    if not isinstance(res, admission.Reservation) or seq is None or now is None:
+    """The row a web process rebuilds for ``run`` from the request it sent (None: the
+    unit is not a reservation, so there is no request to rebuild from)."""
+    if not isinstance(res, admission.Reservation):
         return None
-    return admission_rows.run_row(res.req, run["id"], seq, now)
+    return admission_rows.run_row(res.req, run["id"], run["seq"], run["created_at"])
 
 
 def decode_outcome(data: bytes, sent: admission.Reservation) -> admission.Admitted:
