@@ -97,6 +97,18 @@ class SqliteDialect:
         return [f"PRAGMA cache_size = -{int(cache_kib)}", "PRAGMA temp_store = MEMORY",
                 "PRAGMA wal_autocheckpoint = 0"]
 
+    def batch_setup(self) -> list[str]:
+        """Statements that tune a group committer's own connection (ledger/group_commit.py).
+
+        Its transactions nest savepoints (one per ``db.transaction`` inside a unit) and
+        write rows with triggers, so SQLite keeps a sub-journal of every page a savepoint
+        or statement changes.  Past 64 KiB -- a batch of a few admissions -- that journal
+        spills to a temporary file, created, written and unlinked per batch: under load,
+        about four page writes per admission and five system calls per commit that
+        nothing ever reads back (the journal only serves a rollback).  In memory it costs
+        a copy of each page, bounded by the batch (MAX_BATCH units of a few rows each)."""
+        return ["PRAGMA temp_store = MEMORY"]
+
     def json_array_values(self, param: str = "?") -> str:
         """A subquery of the scalar elements of the JSON array ``param`` (as text)."""
         return f"(SELECT value FROM json_each({param}))"

@@ -48,6 +48,9 @@ class PostgresDialect(SqliteDialect):
     def pass_setup(self, cache_kib: int) -> list[str]:
         return []  # the server's memory settings are the operator's
 
+    def batch_setup(self) -> list[str]:
+        return []  # the server keeps no per-connection spill files to avoid
+
     def integrity_problems(self, conn: Any) -> list[str]:
         # Foreign keys are enforced on every write, and pages checked by the server
         # (data checksums, amcheck): nothing for runstile to walk here.

@@ -131,7 +131,7 @@ class Batches:
         its fate, so the caller answers every unit of ``batch`` afterwards."""
         try:
             if self._conn is None:
-                self._conn = self._connect()
+                self._conn = self._open()
             _commit(self._conn, batch, more)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter of the batch
             # The batch did not commit: nobody was acknowledged.
@@ -145,6 +145,12 @@ class Batches:
                 except sqlite3.Error:
                     pass
                 self._conn = None  # reopen: the failure may have broken the connection
+
+    def _open(self) -> sqlite3.Connection:
+        conn = self._connect()
+        for statement in db.dialect(conn).batch_setup():
+            conn.execute(statement)
+        return conn
 
     def close(self) -> None:
         if self._conn is not None:

@@ -5,7 +5,10 @@ would have returned or raised in the web process itself."""
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
+import threading
+import time
 from dataclasses import dataclass, fields
 
 import pytest
@@ -207,3 +210,44 @@ def test_an_unreadable_request_is_refused_by_the_decoder():
         writer.decode_request(b'["too", "short"]', None)
     with pytest.raises(ValueError):
         writer.decode_request(b"\xff not json", None)
+
+
+def test_an_answer_arrives_whole_however_the_stream_cuts_it_and_a_large_one_grows_the_buffer():
+    ours, theirs = socket.socketpair()
+    payload = json.dumps(["ok", {"input": "x" * 40_000}, False, 7]).encode()
+    data = writer.frame(payload)
+
+    def send_in_pieces() -> None:
+        for at in range(0, len(data), 7_001):
+            theirs.sendall(data[at:at + 7_001])
+            time.sleep(0.002)
+
+    sender = threading.Thread(target=send_in_pieces)
+    sender.start()
+    buffer = bytearray(16)
+    assert writer.recv_frame(ours, buffer, 1 << 20) == payload
+    assert len(buffer) >= len(data)
+    sender.join()
+    theirs.sendall(writer.frame(b'["race","again"]'))
+    assert writer.recv_frame(ours, buffer, 1 << 20) == b'["race","again"]'
+
+
+def test_an_answer_cut_short_or_larger_than_any_admission_is_a_connection_error():
+    ours, theirs = socket.socketpair()
+    theirs.sendall(writer.LENGTH.pack(10) + b'["ok"')
+    theirs.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        writer.recv_frame(ours, bytearray(64), 100)
+    ours, theirs = socket.socketpair()
+    theirs.sendall(writer.LENGTH.pack(101))
+    with pytest.raises(ConnectionError, match="larger than any admission"):
+        writer.recv_frame(ours, bytearray(64), 100)
+
+
+def test_a_silent_writer_fails_the_receive_at_the_kernel_timeout_without_a_python_one():
+    ours, theirs = socket.socketpair()
+    writer.kernel_timeouts(ours, 0.2)
+    assert ours.gettimeout() is None  # no poll before each call: the kernel bounds it
+    with pytest.raises(OSError):
+        writer.recv_frame(ours, bytearray(64), 100)
+    theirs.close()

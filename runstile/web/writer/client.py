@@ -18,7 +18,11 @@ from typing import Any
 
 from ...errors import LedgerUnavailable
 from ...ledger import admission, group_commit
-from .codec import LENGTH, decode_outcome, encode_request, frame, recv_exactly
+from .codec import decode_outcome, encode_request, frame, kernel_timeouts, recv_frame
+
+#: The buffer an answer is read into at first (grown for a larger one): a new run's
+#: answer is a few dozen bytes, any other run's its row.
+_ANSWER_BYTES = 16 * 1024
 
 
 class WriterClient:
@@ -59,11 +63,7 @@ class WriterClient:
     def _answer(self, sock: socket.socket) -> bytes:
         """The writer's answer to the request just sent on ``sock``."""
         try:
-            (length,) = LENGTH.unpack(recv_exactly(sock, LENGTH.size))
-            if length > self.max_frame:
-                raise ConnectionError(f"an answer of {length} bytes is larger than any "
-                                      f"admission")
-            return recv_exactly(sock, length)
+            return recv_frame(sock, self._threads.buffer, self.max_frame)
         except (OSError, ConnectionError) as exc:
             # Sent, unanswered: it may have committed.  Never guess; a retry replays.
             self._drop()
@@ -82,10 +82,12 @@ class WriterClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.path)
+            kernel_timeouts(sock, self.timeout_s)
         except OSError:
             sock.close()
             return None
         threads.sock, threads.pid = sock, os.getpid()
+        threads.buffer = bytearray(_ANSWER_BYTES)
         return sock
 
     def _drop(self) -> None:

@@ -56,14 +56,52 @@ def frame(payload: bytes) -> bytes:
     return LENGTH.pack(len(payload)) + payload
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
+#: struct timeval, as SO_RCVTIMEO and SO_SNDTIMEO take it (two C longs on Linux; the
+#: second is read as an int on macOS, which little-endian order makes the same bytes).
+_TIMEVAL = struct.Struct("@ll")
+
+
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking, each send and receive bounded by the kernel at ``seconds``.
+
+    A Python socket timeout (``settimeout``) polls before every send and receive: one
+    more system call, and one more release and retake of the GIL, each way of every
+    admission, under contention from the web process's other threads.  The kernel's
+    own timeouts bound the same calls without it; one that expires raises an OSError
+    (EAGAIN), as a Python timeout raises one (``TimeoutError``)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    value = _TIMEVAL.pack(whole, int((seconds - whole) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def recv_frame(sock: socket.socket, buffer: bytearray, limit: int) -> bytes:
+    """The payload of the next frame on ``sock``, which carries one frame at a time (a
+    request's answer).  Read into ``buffer`` (reused; an answer usually arrives in one
+    read, length and payload together); ConnectionError for an end of stream or a
+    frame over ``limit`` bytes."""
+    view = memoryview(buffer)
+    got = 0
+    need = LENGTH.size
+    while got < need:
+        n = sock.recv_into(view[got:])
+        if not n:
             raise ConnectionError("the admission writer closed the connection")
-        buf += chunk
-    return bytes(buf)
+        got += n
+        if need == LENGTH.size and got >= need:
+            (length,) = LENGTH.unpack_from(buffer)
+            if length > limit:
+                raise ConnectionError(f"an answer of {length} bytes is larger than any "
+                                      f"admission")
+            need += length
+            if need > len(buffer):
+                view.release()  # a bytearray with a view on it cannot grow
+                buffer.extend(bytes(need - len(buffer)))
+                view = memoryview(buffer)
+    payload = bytes(view[LENGTH.size:need])
+    view.release()
+    return payload
 
 
 # ------------------------------------------------------------------ errors

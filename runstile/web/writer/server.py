@@ -25,7 +25,7 @@ from ... import crashpoints, dispatch, logs
 from ...config import Settings
 from ...errors import AdmissionWriterFailed
 from ...ledger import db, group_commit
-from .codec import LENGTH, decode_request, encode_outcome, frame, max_frame
+from .codec import LENGTH, decode_request, encode_outcome, frame, kernel_timeouts, max_frame
 
 log = logging.getLogger("runstile.writer")
 
@@ -171,8 +171,9 @@ class _Writer:
             except (BlockingIOError, InterruptedError):
                 return
             # Blocking sends with a deadline (answers carry a run; a web thread reads at
-            # once), reads only when select() says there is something to read.
-            sock.settimeout(_SEND_TIMEOUT_S)
+            # once), reads only when select() says there is something to read, and
+            # then without waiting (_read).
+            kernel_timeouts(sock, _SEND_TIMEOUT_S)
             self.selector.register(sock, selectors.EVENT_READ, _Connection(sock))
 
     def _read(self, conn: _Connection, batch: list[tuple[_Connection, group_commit.Unit]]) -> None:
@@ -181,7 +182,9 @@ class _Writer:
         # and a 256 KiB allocation is an mmap and munmap of its own (a tenth of the
         # writer's CPU under load, profiled).
         try:
-            got = conn.sock.recv_into(self.scratch)
+            got = conn.sock.recv_into(self.scratch, 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return  # a spurious wake-up: select() will say when there is something
         except OSError:
             got = 0
         if not got:
