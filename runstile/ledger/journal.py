@@ -31,7 +31,7 @@ class Entry:
 
 
 def entries(conn: sqlite3.Connection, run_id: str) -> dict[int, Entry]:
-    """All journal rows of a run, by position (read once when a body starts)."""
+    """All journal rows of a run, by position (read once, at a body's first journaled call)."""
     with db.ledger_errors():
         rows = conn.execute("SELECT position, kind, name, args_hash, state, result, starts "
                             "FROM journal WHERE run_id = ?", (run_id,)).fetchall()

@@ -133,8 +133,18 @@ class RunContext:
         self._enqueue = enqueue
         self._allowlist = allowlist
         self._max_payload_bytes = max_payload_bytes
-        self._journal = journal.entries(conn, self.run_id)
+        #: The run's journal by position, read at the first journaled call (``_journal``):
+        #: only this owner writes it while the lease is its, so a later read sees what
+        #: a read at the start would have seen, and a body that journals nothing (most
+        #: runs of most tasks) costs the ledger no read at all.
+        self._entries: dict[int, journal.Entry] | None = None
         self._position = 0
+
+    @property
+    def _journal(self) -> dict[int, journal.Entry]:
+        if self._entries is None:
+            self._entries = journal.entries(self._conn, self.run_id)
+        return self._entries
 
     # ------------------------------------------------------------ state
 

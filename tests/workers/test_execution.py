@@ -120,6 +120,38 @@ def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
     assert ledger.query("SELECT COUNT(*) FROM journal WHERE run_id = ?", (rid,)) == [(0,)]
 
 
+def test_a_body_reads_its_runs_journal_only_when_it_journals_and_then_once(ledger):
+    api_key = ledger.key()
+    conn = ledger.connect()
+    from runstile.fingerprint import fingerprint
+    from runstile.ledger import admission
+    from runstile.ledger.keys import Principal
+    from runstile.workers.context import RunContext
+    request = admission.AdmissionRequest(
+        principal=Principal("default", api_key.key_id, "client"), key=None, key_is_derived=False,
+        run_id=None, task="t.log_start", input_json="{}", session_key=None, trigger_id=None,
+        metadata_json=None, callback_url=None, fingerprint=fingerprint({"task": "y"}),
+        fingerprint_version=1)
+    rid = admission.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
+    owner = Owner("n", 1, 100, 1)
+    run = execution.claim(conn, rid, owner, lease_s=30, task_known=lambda name: True).run
+    assert run is not None
+    reads: list[str] = []
+    conn.set_trace_callback(lambda sql: reads.append(sql) if "FROM journal" in sql else None)
+    ctx = RunContext(run, owner, conn)
+    assert reads == []  # a body that journals nothing (a no-op) costs no read
+    ctx.emit("progress.one", {"n": 1})
+    ctx.emit("progress.two", {"n": 2})
+    assert len(reads) == 1
+    conn.set_trace_callback(None)
+    # A second execution of the body replays what the first one journaled.
+    again = RunContext(run, owner, conn)
+    again.emit("progress.one", {"n": 1})
+    assert ledger.query("SELECT COUNT(*) FROM events WHERE run_id = ? AND type = "
+                        "'progress.one'", (rid,)) == [(1,)]
+    conn.close()
+
+
 def requeue_running(ledger, rid: str) -> dict:
     """Re-queue a running run through the ledger API, as recovery does for a lost owner."""
     from runstile import dispatch
