@@ -83,19 +83,24 @@ def test_duplicate_broker_delivery_still_executes_each_run_once(make_system, led
                "the losing claims to be logged as no-ops")
 
 
-def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
-    api_key = ledger.key()
-    conn = ledger.connect()
-    from runstile.errors import LeaseLost
+def admitted(ledger, conn) -> str:
+    """The id of a new queued run of t.log_start, admitted through the ledger API."""
     from runstile.fingerprint import fingerprint
-    from runstile.ledger import admission, journal
+    from runstile.ledger import admission
     from runstile.ledger.keys import Principal
     request = admission.AdmissionRequest(
-        principal=Principal("default", api_key.key_id, "client"), key=None, key_is_derived=False,
-        run_id=None, task="t.log_start", input_json="{}", session_key=None, trigger_id=None,
-        metadata_json=None, callback_url=None, fingerprint=fingerprint({"task": "x"}),
-        fingerprint_version=1)
-    rid = admission.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
+        principal=Principal("default", ledger.key().key_id, "client"), key=None,
+        key_is_derived=False, run_id=None, task="t.log_start", input_json="{}",
+        session_key=None, trigger_id=None, metadata_json=None, callback_url=None,
+        fingerprint=fingerprint({"task": "x"}), fingerprint_version=1)
+    return admission.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
+
+
+def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
+    conn = ledger.connect()
+    from runstile.errors import LeaseLost
+    from runstile.ledger import journal
+    rid = admitted(ledger, conn)
     stale, fresh = Owner("n", 1, 100, 1), Owner("n", 2, 200, 2)
     def known(name):
         return True
@@ -121,18 +126,9 @@ def test_a_stale_owner_can_record_no_outcome_and_start_no_step(ledger):
 
 
 def test_a_body_reads_its_runs_journal_only_when_it_journals_and_then_once(ledger):
-    api_key = ledger.key()
     conn = ledger.connect()
-    from runstile.fingerprint import fingerprint
-    from runstile.ledger import admission
-    from runstile.ledger.keys import Principal
     from runstile.workers.context import RunContext
-    request = admission.AdmissionRequest(
-        principal=Principal("default", api_key.key_id, "client"), key=None, key_is_derived=False,
-        run_id=None, task="t.log_start", input_json="{}", session_key=None, trigger_id=None,
-        metadata_json=None, callback_url=None, fingerprint=fingerprint({"task": "y"}),
-        fingerprint_version=1)
-    rid = admission.admit(conn, request, refusal=None, max_active_runs=10).run["id"]
+    rid = admitted(ledger, conn)
     owner = Owner("n", 1, 100, 1)
     run = execution.claim(conn, rid, owner, lease_s=30, task_known=lambda name: True).run
     assert run is not None
