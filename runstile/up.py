@@ -31,10 +31,11 @@ from .recovery import reconcile
 from .signals import StopSignals
 from .workers.scheduler import Scheduler
 
-#: How a child runs this installation's runstile (up's children, serve's re-exec).  ``-P``: ``-m`` would otherwise put the
-#: working directory first on sys.path, and a ``runstile/`` folder there (a checkout of
-#: another version) would be what the children run; task modules beside it are still
-#: found (tasks.load adds the working directory once runstile is imported).
+#: How a child runs this installation's runstile (up's children, serve's re-exec).
+#: ``-P``: ``-m`` would otherwise put the working directory first on sys.path, and a
+#: ``runstile/`` folder there (a checkout of another version) would be what the children
+#: run; task modules beside it are still found (tasks.load adds the working directory
+#: once runstile is imported).
 RUNSTILE = [sys.executable, "-P", "-m", "runstile"]
 
 #: Seconds children get after the drain timeout before they are killed

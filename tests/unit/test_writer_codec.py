@@ -230,6 +230,8 @@ def test_an_answer_arrives_whole_however_the_stream_cuts_it_and_a_large_one_grow
     sender.join()
     theirs.sendall(writer.frame(b'["race","again"]'))
     assert writer.recv_frame(ours, buffer, 1 << 20) == b'["race","again"]'
+    ours.close()
+    theirs.close()
 
 
 def test_an_answer_cut_short_or_larger_than_any_admission_is_a_connection_error():
@@ -238,10 +240,13 @@ def test_an_answer_cut_short_or_larger_than_any_admission_is_a_connection_error(
     theirs.close()
     with pytest.raises(ConnectionError, match="closed"):
         writer.recv_frame(ours, bytearray(64), 100)
+    ours.close()
     ours, theirs = socket.socketpair()
     theirs.sendall(writer.LENGTH.pack(101))
     with pytest.raises(ConnectionError, match="larger than any admission"):
         writer.recv_frame(ours, bytearray(64), 100)
+    ours.close()
+    theirs.close()
 
 
 def test_a_silent_writer_fails_the_receive_at_the_kernel_timeout_without_a_python_one():
@@ -250,4 +255,5 @@ def test_a_silent_writer_fails_the_receive_at_the_kernel_timeout_without_a_pytho
     assert ours.gettimeout() is None  # no poll before each call: the kernel bounds it
     with pytest.raises(OSError):
         writer.recv_frame(ours, bytearray(64), 100)
+    ours.close()
     theirs.close()
