@@ -6,7 +6,10 @@ deadline.  Sixteen half-sent requests froze a web process that way.  Here the wo
 event loop (the thread that accepts) reads each request into memory with a deadline,
 ``RUNSTILE_REQUEST_READ_TIMEOUT_S`` from its first byte, and submits it to the thread
 pool only when it is whole: a slow client costs a socket and a buffer, never a thread.
-Request threads read only from that buffer (``_BufferOnly``): none ever waits on a client.
+Request threads parse only from that buffer (``_BufferOnly``).  The one wait a thread
+makes on a client is bounded: after answering a kept-alive connection it waits a few
+milliseconds for the client's next request and serves it itself when it arrives whole in
+that time (web/next_request.py); otherwise the connection goes back to the event loop.
 
 The same loop closes connections: it half-closes, then reads and discards what the client
 is still sending (a body the application refused to read, a 413 answered mid-upload)
@@ -43,6 +46,7 @@ from ..errors import (
     RunstileError,
     UnsupportedTransferCoding,
 )
+from .next_request import NextRequestWait
 from .request_reader import Refusal, RequestReader, Verdict
 from .worker_signals import FlagOnlySignals
 
@@ -55,7 +59,7 @@ if TYPE_CHECKING:
 
 #: Largest head (request line and headers) the front buffers; runstile's API needs ~2 KiB.
 MAX_HEAD_BYTES = 64 * 1024
-#: Bytes read per ``recv`` by the event loop.
+#: Bytes read per ``recv`` by the event loop (and by a thread waiting for a next request).
 RECV_BYTES = 64 * 1024
 #: A body over the limit is drained (read and dropped) up to this many times the limit
 #: before the connection is cut: enough for the client to finish an upload and read its
@@ -104,12 +108,16 @@ class _Waiting:
         self.drain_left, self.continued = drain_left, False
 
 
-class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
+class BufferingThreadWorker(FlagOnlySignals, NextRequestWait, ThreadWorker):
     """gthread, with the event loop reading requests whole and closing connections gently,
-    and signal handlers that only set flags (web/worker_signals.py).
+    request threads that serve a kept-alive connection's next request when it comes at
+    once (web/next_request.py), and signal handlers that only set flags
+    (web/worker_signals.py).
 
     The settings come from the gunicorn application (web/server.py), read once there.
     """
+
+    recv_bytes = RECV_BYTES
 
     def init_process(self) -> None:
         settings = self.app.settings
@@ -144,10 +152,14 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
         self.keepalived_conns.remove(conn)
         self._wait_for_request(conn, b"", time.monotonic() + self.read_timeout_s)
 
+    def request_reader(self, data: bytes = b"") -> RequestReader:
+        """A reader of one request under this process's limits, fed ``data`` so far."""
+        return RequestReader(max_body_bytes=self.max_body_bytes,
+                             max_line_bytes=self.cfg.limit_request_line,
+                             max_head_bytes=MAX_HEAD_BYTES, data=data)
+
     def _wait_for_request(self, conn: TConn, data: bytes, deadline: float) -> None:
-        reader = RequestReader(max_body_bytes=self.max_body_bytes,
-                               max_line_bytes=self.cfg.limit_request_line,
-                               max_head_bytes=MAX_HEAD_BYTES, data=data)
+        reader = self.request_reader(data)
         waiting = _Waiting(conn, reader, deadline)
         if data and self._judge(waiting, reader.feed()):
             return
@@ -242,7 +254,8 @@ class BufferingThreadWorker(FlagOnlySignals, ThreadWorker):
             keep = False
         if keep:
             pending = conn.parser.unreader.take_buffered()
-            if pending:  # the client pipelined its next request
+            if pending:  # the client pipelined its next request, or it is still arriving
+                conn.sock.setblocking(False)  # the loop reads only what select reported
                 self._wait_for_request(conn, pending, time.monotonic() + self.read_timeout_s)
                 return
             conn.oversized = False

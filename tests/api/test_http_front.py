@@ -229,3 +229,109 @@ def test_pipelined_requests_on_one_connection_are_each_answered_in_order(client)
     raw = raw_exchange(client.server, admit + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
                        + admit + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"202", b"200", b"202", b"200"]
+
+
+# -- kept-alive connections: the request thread's wait for the next request ----------------
+# A request thread that answered a kept-alive connection waits NEXT_REQUEST_WAIT_S for the
+# client's next request and serves it itself when it arrives whole (web/next_request.py); any
+# other arrival goes back to the event loop with the bytes read, and must be answered as
+# on a fresh connection.
+
+def read_answer(sock: socket.socket) -> bytes:
+    """Exactly one answer (head and Content-Length body) from a kept-alive connection,
+    interim ``1xx`` answers included in what is returned before it."""
+    received = b""
+    while True:
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed the connection after {received!r}"
+            received += chunk
+        head, _, rest = received.partition(b"\r\n\r\n")
+        if re.match(rb"HTTP/1\.1 1\d\d ", head):
+            return head + b"\r\n\r\n"
+        length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+        while len(rest) < length:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection mid-answer"
+            rest += chunk
+        return head + b"\r\n\r\n" + rest
+
+
+def kept_alive(server) -> socket.socket:
+    """A connection that has had one request answered and stays open for the next."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+    return sock
+
+
+def admission_bytes(client: Api, body: bytes, extra: str = "") -> tuple[bytes, bytes]:
+    head = (f"POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {client.key.secret}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n")
+    return head.encode(), body
+
+
+def test_a_kept_alive_client_sending_its_next_requests_at_once_gets_each_answered_in_order(
+        client):
+    with kept_alive(client.server) as sock:
+        for i in range(50):
+            head, body = admission_bytes(client, json.dumps({"task": "chat", "input": i})
+                                         .encode())
+            sock.sendall(head + body)
+            status, _, run = parse_answer(read_answer(sock))
+            assert (status, run["input"]) == (202, i)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+    assert client.runs_in_scope() == 50
+
+
+def test_a_kept_alive_request_arriving_in_parts_after_the_thread_stopped_waiting_is_answered(
+        client):
+    body = json.dumps({"task": "chat", "input": {"text": "late"}}).encode()
+    head, body = admission_bytes(client, body)
+    with kept_alive(client.server) as sock:
+        sock.sendall(head + body[:5])
+        time.sleep(0.2)  # forty times the thread's wait: the event loop has the bytes now
+        sock.sendall(body[5:])
+        status, _, run = parse_answer(read_answer(sock))
+        assert status == 202 and run["input"] == {"text": "late"}
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_kept_alive_clients_stalled_mid_request_hold_no_thread(make_server, ledger):
+    server = make_server(web_workers=1, RUNSTILE_WEB_THREADS="2")
+    stalled = []
+    try:
+        for _ in range(6):
+            # At once, while the thread that answered may still wait on the connection:
+            # the start of a next request, and then nothing.
+            stalled.append(sock := kept_alive(server))
+            sock.sendall(b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        for _ in range(10):
+            assert requests.get(server.url + "/healthz", timeout=1).status_code == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_request_the_front_refuses_on_a_kept_alive_connection_is_answered_in_json(client):
+    with kept_alive(client.server) as sock:
+        sock.sendall(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = parse_answer(read_to_end(sock))
+    assert (status, body["error"]["code"]) == (414, "request_line_too_long")
+    assert headers["content-type"] == "application/json"
+
+
+def test_a_kept_alive_client_that_expects_100_continue_gets_the_go_ahead_and_its_run(client):
+    head, body = admission_bytes(client, json.dumps({"task": "chat", "input": 7}).encode(),
+                                 extra="Expect: 100-continue\r\n")
+    with kept_alive(client.server) as sock:
+        sock.sendall(head)
+        assert read_answer(sock) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        answer = read_answer(sock)
+        while answer.startswith(b"HTTP/1.1 100 "):  # gunicorn may repeat the go-ahead
+            answer = read_answer(sock)
+        status, _, run = parse_answer(answer)
+    assert (status, run["input"]) == (202, 7)
