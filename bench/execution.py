@@ -462,13 +462,30 @@ def latency_probe(factory: Factory, cfg: ExecSettings, workdir: Path) -> tuple[l
     return lat, missing
 
 
-def _count(db_path: Path, sql: str) -> int:
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True,
-                                                timeout=5)) as conn:
-            return conn.execute(sql).fetchone()[0]
-    except sqlite3.OperationalError:
-        return 0  # not created yet, or briefly locked (rollback journal): poll again
+class _Count:
+    """``sql``'s count on the SQLite file ``db_path``, on one read-only connection kept
+    open between calls: ``closed_loop`` polls it every POLL_S while the target runs on the
+    same cores, and a connection opened per poll cost about 1 ms of CPU each (0.25 ms on
+    an open one, measured on a 2,000-run ledger), taken from the target being measured."""
+
+    def __init__(self, db_path: Path, sql: str) -> None:
+        self.db_path, self.sql = db_path, sql
+        self._conn: sqlite3.Connection | None = None
+
+    def __call__(self) -> int:
+        try:
+            if self._conn is None:
+                self._conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True,
+                                             timeout=5)
+            return self._conn.execute(self.sql).fetchone()[0]
+        except sqlite3.OperationalError:
+            self.close()
+            return 0  # not created yet, or briefly locked (rollback journal): poll again
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 # --------------------------------------------------------------------------- runstile
@@ -525,11 +542,10 @@ def _measure_runstile(res: TargetResult, cfg: ExecSettings, work: Path, data: Pa
                 "json_extract(input, '$.tag') LIKE 'lat-%' AND started_at IS NOT NULL")]
         before = c.execute("SELECT COUNT(*) FROM runs WHERE status = 'completed'"
                            ).fetchone()[0]
-    tp = closed_loop(factory, cfg.runs, cfg, tag=f"tp-{os.getpid()}-{time.time_ns()}",
-                     count_done=lambda: _count(
-                         ledger, "SELECT COUNT(*) FROM runs WHERE "
-                         "status = 'completed'") - before,
-                     groups=groups)
+    with contextlib.closing(_Count(ledger, "SELECT COUNT(*) FROM runs WHERE "
+                                           "status = 'completed'")) as completed:
+        tp = closed_loop(factory, cfg.runs, cfg, tag=f"tp-{os.getpid()}-{time.time_ns()}",
+                         count_done=lambda: completed() - before, groups=groups)
     with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as c:
         res.config["statuses_after"] = dict(c.execute(
             "SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall())
@@ -707,10 +723,11 @@ def bench_dbos(cfg: ExecSettings, wal: bool) -> TargetResult:
             res.latencies_ms, res.latency_missing = latency_probe(factory, cfg, work)
             done_sql = (f"SELECT COUNT(*) FROM workflow_status WHERE status = 'SUCCESS' "
                         f"AND queue_name = '{dbos_peer.QUEUE}'")
-            before = _count(db_file, done_sql)
-            tp = closed_loop(factory, cfg.runs, cfg, tag=f"tp-{os.getpid()}-{time.time_ns()}",
-                             count_done=lambda: _count(db_file, done_sql) - before,
-                             groups=[group])
+            with contextlib.closing(_Count(db_file, done_sql)) as done:
+                before = done()
+                tp = closed_loop(factory, cfg.runs, cfg,
+                                 tag=f"tp-{os.getpid()}-{time.time_ns()}",
+                                 count_done=lambda: done() - before, groups=[group])
             with contextlib.closing(sqlite3.connect(f"file:{db_file}?mode=ro", uri=True)) as c:
                 res.config["statuses_after"] = dict(c.execute(
                     "SELECT status, COUNT(*) FROM workflow_status GROUP BY status").fetchall())
