@@ -90,8 +90,11 @@ class NextRequestWait(_Worker):
         """Whether this thread may wait on ``conn`` (and if so, it now counts as waiting):
         not while stopping, not after a body over the limit, not with a next request's
         bytes already buffered (the event loop frames them), and only while a request
-        queued for the pool and another free thread cannot both be missing."""
-        if not self.alive or conn.oversized or conn.parser.unreader.buf.getvalue():
+        queued for the pool and another free thread cannot both be missing.  (Never on an
+        HTTP/2 connection, which gunicorn serves whole on one thread anyway; ``serve``
+        speaks HTTP/1.1 only.)"""
+        if (not self.alive or conn.is_http2 or conn.oversized
+                or conn.parser.unreader.buf.getvalue()):
             return False
         with self.pool_counts:
             if self.queued_requests or self.threads_waiting_for_next >= self.cfg.threads - 1:

@@ -100,6 +100,9 @@ def test_a_thread_waits_only_while_another_stays_free_and_nothing_is_queued():
         conn.parser.unreader.unread(REQUEST)  # pipelined: already buffered for the parser
         assert not worker._may_wait_for_next(conn)
         conn.parser.unreader.take_buffered()
+        conn.is_http2 = True
+        assert not worker._may_wait_for_next(conn), "never on an HTTP/2 connection"
+        conn.is_http2 = False
         worker.alive = False
         assert not worker._may_wait_for_next(conn), "a stopping worker does not wait"
     finally:
