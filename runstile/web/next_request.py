@@ -13,7 +13,7 @@ So the thread that answered waits on the connection itself, up to
 the next request when it is whole by then.  The guarantee that a slow client costs a
 socket, never a thread (docs/guarantees.md, "What a hostile client cannot do"), holds
 with that bound: a thread waits at most ``NEXT_REQUEST_WAIT_S``, only while no request is
-queued for the pool and another thread of the pool stays free, and never while the
+queued for the pool and another thread of the pool is idle, and never while the
 worker stops; and anything but a whole ordinary request within the wait (part of one, a
 refusal, a body over the limit, a client waiting for its ``100 Continue``) goes back to
 the event loop as the bytes read, which frames it afresh from them.
@@ -49,10 +49,12 @@ class NextRequestWait(_Worker):
     to the pool through ``enqueue_req``."""
 
     #: Requests submitted to the pool and not yet picked up by a thread, and threads
-    #: waiting on a kept-alive connection: a thread waits only while neither would leave
-    #: a request without a thread.  Both under ``pool_counts``.
+    #: inside ``handle`` (serving a request or waiting for a next one): a thread waits
+    #: only while no request is queued and another thread of the pool is idle, so a
+    #: request the event loop submits meanwhile finds a thread.  Both under
+    #: ``pool_counts``.
     queued_requests = 0
-    threads_waiting_for_next = 0
+    threads_in_handle = 0
     recv_bytes: int
 
     def init_process(self) -> None:
@@ -72,35 +74,33 @@ class NextRequestWait(_Worker):
         sends on the connection within NEXT_REQUEST_WAIT_S."""
         with self.pool_counts:
             self.queued_requests -= 1
-        keep = super().handle(conn)
-        while keep is True and self._may_wait_for_next(conn):
-            try:
-                arrived = self._next_request(conn)
-            finally:
-                with self.pool_counts:
-                    self.threads_waiting_for_next -= 1
-            if arrived is None:
-                break  # nothing whole in time: the event loop takes the connection back
-            if not arrived:
-                return False  # the client closed the connection (or reset it)
+            self.threads_in_handle += 1
+        try:
             keep = super().handle(conn)
-        return keep
+            while keep is True and self._may_wait_for_next(conn):
+                arrived = self._next_request(conn)
+                if arrived is None:
+                    break  # nothing whole in time: the event loop takes the connection back
+                if not arrived:
+                    return False  # the client closed the connection (or reset it)
+                keep = super().handle(conn)
+            return keep
+        finally:
+            with self.pool_counts:
+                self.threads_in_handle -= 1
 
     def _may_wait_for_next(self, conn: TConn) -> bool:
-        """Whether this thread may wait on ``conn`` (and if so, it now counts as waiting):
-        not while stopping, not after a body over the limit, not with a next request's
-        bytes already buffered (the event loop frames them), and only while a request
-        queued for the pool and another free thread cannot both be missing.  (Never on an
+        """Whether this thread may wait on ``conn``: not while stopping, not after a body
+        over the limit, not with a next request's bytes already buffered (the event loop
+        frames them), and only while no request is queued for the pool and another of its
+        threads is idle (outside ``handle``).  (Never on an
         HTTP/2 connection, which gunicorn serves whole on one thread anyway; ``serve``
         speaks HTTP/1.1 only.)"""
         if (not self.alive or conn.is_http2 or conn.oversized
                 or conn.parser.unreader.buf.getvalue()):
             return False
         with self.pool_counts:
-            if self.queued_requests or self.threads_waiting_for_next >= self.cfg.threads - 1:
-                return False
-            self.threads_waiting_for_next += 1
-        return True
+            return not self.queued_requests and self.threads_in_handle < self.cfg.threads
 
     def _next_request(self, conn: TConn) -> bool | None:
         """Wait up to NEXT_REQUEST_WAIT_S for the client's next request: True once it is

@@ -27,7 +27,7 @@ class Front:
         cfg.set("threads", threads)
         worker = BufferingThreadWorker.__new__(BufferingThreadWorker)
         worker.cfg, worker.alive, worker.max_body_bytes = cfg, True, 1024 * 1024
-        worker.queued_requests = worker.threads_waiting_for_next = 0
+        worker.queued_requests = worker.threads_in_handle = 0
         worker.pool_counts = threading.Lock()
         self.worker = worker
         self.client, server = socket.socketpair()
@@ -87,13 +87,15 @@ def test_anything_but_a_whole_ordinary_request_goes_back_to_the_event_loop(front
     assert front.buffered() == arrival
 
 
-def test_a_thread_waits_only_while_another_stays_free_and_nothing_is_queued():
+def test_a_thread_waits_only_while_another_is_idle_and_nothing_is_queued():
     front = Front(threads=3)
     try:
         worker, conn = front.worker, front.conn
-        assert worker._may_wait_for_next(conn) and worker._may_wait_for_next(conn)
-        assert not worker._may_wait_for_next(conn), "the third thread must stay free"
-        worker.threads_waiting_for_next = 0
+        worker.threads_in_handle = 2  # this thread and one other: the third is idle
+        assert worker._may_wait_for_next(conn)
+        worker.threads_in_handle = 3
+        assert not worker._may_wait_for_next(conn), "no idle thread would be left"
+        worker.threads_in_handle = 1
         worker.queued_requests = 1
         assert not worker._may_wait_for_next(conn), "a queued request needs a thread"
         worker.queued_requests = 0
