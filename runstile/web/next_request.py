@@ -44,9 +44,9 @@ NEXT_REQUEST_WAIT_S = 0.005
 
 
 class NextRequestWait(_Worker):
-    """Mixin for web/gthread.py's ``BufferingThreadWorker``, which provides
-    ``request_reader``, ``recv_bytes`` and ``max_body_bytes`` and hands every connection
-    to the pool through ``enqueue_req``."""
+    """Mixin for web/gthread.py's ``BufferingThreadWorker`` (after ``FlagOnlySignals``,
+    before gunicorn's ``ThreadWorker``), which provides ``request_reader`` and
+    ``recv_bytes`` and hands every connection to the pool through ``enqueue_req``."""
 
     #: Requests submitted to the pool and not yet picked up by a thread, and threads
     #: inside ``handle`` (serving a request or waiting for a next one): a thread waits
@@ -93,9 +93,8 @@ class NextRequestWait(_Worker):
         """Whether this thread may wait on ``conn``: not while stopping, not after a body
         over the limit, not with a next request's bytes already buffered (the event loop
         frames them), and only while no request is queued for the pool and another of its
-        threads is idle (outside ``handle``).  (Never on an
-        HTTP/2 connection, which gunicorn serves whole on one thread anyway; ``serve``
-        speaks HTTP/1.1 only.)"""
+        threads is idle (outside ``handle``).  Never on an HTTP/2 connection, which
+        gunicorn serves whole on one thread anyway (``serve`` speaks HTTP/1.1 only)."""
         if (not self.alive or conn.is_http2 or conn.oversized
                 or conn.parser.unreader.buf.getvalue()):
             return False
