@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import sqlite3
@@ -44,8 +45,37 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("postgresql")]
 
 
+#: Ports handed out by free_port in this process: never the same one twice.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port of 127.0.0.1 that nothing is bound to, for a server a test starts.
+
+    Taken below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``), not from
+    ``bind(0)``, which picks from that range: every outgoing connection on the machine
+    (a client of Redis, RabbitMQ or PostgreSQL, in this run or beside it) takes its local
+    port from there too, and one took a port between this check and the server's bind
+    (seen in CI: gunicorn's "Address already in use", then exit 1).
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = 20000, min(ephemeral_low, 32768)
+    for _ in range(1000 if high - low > 1000 else 0):
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # an unusual range: take what the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
