@@ -160,7 +160,7 @@ def _reserve(conn: sqlite3.Connection, req: AdmissionRequest, refusal: RunstileE
     if row is None:
         raise CapacityExceeded(f"this profile already has {max_active_runs} unfinished runs "
                                f"(the limit)")
-    run = dict(row)
+    run = db.as_dict(row)
     if req.key is not None:
         _bind_key(conn, req, run_id)
     dispatch_id = add_dispatch(conn, run, "admitted", enqueue)
@@ -247,7 +247,7 @@ def _bind_key(conn: sqlite3.Connection, req: AdmissionRequest, run_id: str) -> N
 
 
 def _get(conn: sqlite3.Connection, run_id: str) -> dict[str, Any]:
-    return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+    return db.as_dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
 
 
 @dataclass(slots=True, eq=False)

@@ -82,7 +82,7 @@ def decide(conn: sqlite3.Connection, run_id: str, approval_id: str, decision: st
         if recorded is not None:
             if recorded != decision:
                 raise ApprovalAlreadyResolved(f"this approval was already decided: {recorded}")
-            return dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+            return db.as_dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
         decided = d.json_set("approval", [("decision", d.text_param), ("resolved_at", NOW)])
         row = conn.execute(
             f"UPDATE runs SET status = 'queued', approval = {decided}, updated_at = {NOW} "
@@ -98,5 +98,6 @@ def decide(conn: sqlite3.Connection, run_id: str, approval_id: str, decision: st
             (decision, run_id, entry["position"]))
         events.append(conn, run_id, "approval.resolved",
                       {"approval_id": approval_id, "decision": decision})
-        add_dispatch(conn, dict(row), "approval", enqueue)
-        return dict(row)
+        run = db.as_dict(row)
+        add_dispatch(conn, run, "approval", enqueue)
+        return run

@@ -41,7 +41,7 @@ def deliveries(conn: sqlite3.Connection, principal: Principal, states: Sequence[
            "ORDER BY o.created_at, o.id LIMIT ?")
     with db.ledger_errors():
         rows = conn.execute(sql, (*args, *states, limit)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]
 
 
 def status_counts(conn: sqlite3.Connection, principal: Principal) -> dict[str, int]:
@@ -71,7 +71,7 @@ def node(conn: sqlite3.Connection, node_id: str) -> dict[str, Any] | None:
     with db.ledger_errors():
         row = conn.execute("SELECT id, generation, booted_at, recovered_generation "
                            "FROM nodes WHERE id = ?", (node_id,)).fetchone()
-    return None if row is None else dict(row)
+    return None if row is None else db.as_dict(row)
 
 
 def consumers(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -80,7 +80,7 @@ def consumers(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     with db.ledger_errors():
         rows = conn.execute("SELECT host, pid, queue_name, started_at, last_seen_at "
                             "FROM broker_consumers ORDER BY host, pid, queue_name").fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]
 
 
 def queue_depths(conn: sqlite3.Connection) -> dict[str, int]:

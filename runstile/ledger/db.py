@@ -16,21 +16,21 @@ import contextlib
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import LedgerCorrupt, LedgerUnavailable
 from ..filemodes import private_file
-from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, is_database_url
+from .db_deadline import progress_deadline
+from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, as_dict, is_database_url
 from .db_gate import writer_gate
 from .owed import Owed
 
 if TYPE_CHECKING:  # nodes imports this module: the type only, for the checker
     from .nodes import HeldLock
 
-__all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "dialect", "is_database_url"]
+__all__ = ["NOW", "INTEGRITY_ERRORS", "SqliteDialect", "as_dict", "dialect", "is_database_url"]
 
 #: A write refused by a uniqueness or check constraint, on either engine: a race that the
 #: caller answers (a replay, a 409), never a 503.
@@ -84,36 +84,10 @@ def ledger_errors() -> Iterator[None]:
         raise translated from exc
 
 
-#: SQLite virtual-machine instructions between two looks at a statement's deadline: often
-#: enough to stop within a fraction of a millisecond, rare enough to cost ~nothing.
-DEADLINE_CHECK_OPS = 10_000
-
-
 def time_limit(conn: sqlite3.Connection, seconds: float,
                timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
     """Abort the statements run inside past ``seconds``, raising ``timeout()``."""
     return cast(LedgerConnection, conn).time_limit(seconds, timeout)
-
-
-@contextlib.contextmanager
-def _progress_deadline(conn: sqlite3.Connection, seconds: float,
-                       timeout: Callable[[], Exception]) -> Iterator[None]:
-    """SQLite has no statement timeout; a progress handler that answers "stop" once the
-    deadline has passed makes the running statement fail with SQLITE_INTERRUPT, which
-    also ends its read snapshot (a long read holds back WAL checkpoints).  The handler
-    is removed on the way out: the connection is pooled, and every later statement on it
-    must run without a deadline.
-    """
-    deadline = time.monotonic() + seconds
-    conn.set_progress_handler(lambda: time.monotonic() > deadline, DEADLINE_CHECK_OPS)
-    try:
-        yield
-    except sqlite3.OperationalError as exc:
-        if getattr(exc, "sqlite_errorname", "") != "SQLITE_INTERRUPT":
-            raise
-        raise timeout() from exc
-    finally:
-        conn.set_progress_handler(None, 0)
 
 
 def connect(path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000,
@@ -201,6 +175,9 @@ class LedgerConnection(sqlite3.Connection):
     dialect: SqliteDialect = SQLITE
     #: Set by a transaction that makes broker rows ready (broker_queue._made_ready).
     bell: bool = False
+    #: Set by a group commit for the unit it runs (ledger/group_commit.py): the unit's
+    #: own :func:`transaction` then opens no savepoint (deeper ones still do).
+    bare_unit: bool = False
 
     @contextlib.contextmanager
     def writing(self, rows_only: bool = False, durable: bool = True) -> Iterator[None]:
@@ -243,7 +220,7 @@ class LedgerConnection(sqlite3.Connection):
 
     def time_limit(self, seconds: float,
                    timeout: Callable[[], Exception]) -> contextlib.AbstractContextManager[None]:
-        return _progress_deadline(self, seconds, timeout)
+        return progress_deadline(self, seconds, timeout)
 
 
 def together(conn: sqlite3.Connection, statements: Sequence[Statement]) -> list[Any]:
@@ -289,13 +266,8 @@ def transaction(conn: sqlite3.Connection, *, rows_only: bool = False,
     """
     ledger_conn = cast(LedgerConnection, conn)  # every connection comes from connect()
     if conn.in_transaction:
-        mark = ledger_conn.owed.mark()
-        try:
-            with _savepoint(conn):
-                yield conn
-        except BaseException:
-            ledger_conn.owed.undo(mark)
-            raise
+        with _nested(ledger_conn):
+            yield conn
         return
     ledger_conn.owed.take()  # a debt dropped by a failed settle or a rollback: gone
     try:
@@ -320,6 +292,24 @@ def _settle(conn: LedgerConnection) -> None:
         conn.after_commit(conn, conn.owed.take())
     finally:
         conn.settling = False
+
+
+@contextlib.contextmanager
+def _nested(conn: LedgerConnection) -> Iterator[None]:
+    """A transaction inside another: a savepoint, undone with what it owed if it raises.
+    A group commit's unit (``bare_unit``) needs none: the group commit itself sees to a
+    unit that refuses after writing (ledger/group_commit.py, ``_run_unit``)."""
+    mark = conn.owed.mark()
+    bare, conn.bare_unit = conn.bare_unit, False  # a deeper transaction takes a savepoint
+    try:
+        if bare:
+            yield
+        else:
+            with _savepoint(conn):
+                yield
+    except BaseException:
+        conn.owed.undo(mark)
+        raise
 
 
 @contextlib.contextmanager

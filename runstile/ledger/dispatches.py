@@ -91,4 +91,4 @@ def lost_queued(conn: sqlite3.Connection, *, older_than_s: float,
             f"AND {not_waiting_for_a_slot('r.')} "
             "ORDER BY r.updated_at LIMIT ?",
             (older_than_s, older_than_s, older_than_s, limit)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]

@@ -89,7 +89,7 @@ def claim(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: float
                                                                unlimited_tasks)])
             row = plain.fetchone()
             if row is not None:
-                return _started(conn, dict(row), owner)
+                return _started(conn, db.as_dict(row), owner)
         elif acks:
             db.together(conn, acks)
         return _decide(conn, run_id, owner, lease_s=lease_s, task_known=task_known,
@@ -125,7 +125,7 @@ def _decide(conn: sqlite3.Connection, run_id: str, owner: Owner, *, lease_s: flo
         return Claim(None, "not_queued")
     limits = slots.Limits(max_running_per_profile, {} if task_limit is None else
                           {row["task"]: task_limit(row["task"])})
-    refusal = _refusal(conn, dict(row), task_known, limits, enqueue)
+    refusal = _refusal(conn, db.as_dict(row), task_known, limits, enqueue)
     if refusal is not None:
         return Claim(None, refusal)
     return _start(conn, run_id, owner, lease_s)
@@ -165,7 +165,7 @@ def _start(conn: sqlite3.Connection, run_id: str, owner: Owner, lease_s: float) 
     run = conn.execute(*_start_statement(run_id, owner, lease_s)).fetchone()
     if run is None:
         return Claim(None, "not_queued")
-    return _started(conn, dict(run), owner)
+    return _started(conn, db.as_dict(run), owner)
 
 
 def _start_statement(run_id: str, owner: Owner, lease_s: float, *, guard: str = "",
@@ -253,7 +253,7 @@ def finish(conn: sqlite3.Connection, run_id: str, owner: Owner, *, status: str,
         ).fetchone()
         if run is None:
             return None
-        run = dict(run)
+        run = db.as_dict(run)
         waiting = slots.waiting_of(run)
         data: dict[str, Any] = {"attempt": run["attempt"]}
         if run["status"] == "cancelled":
@@ -289,15 +289,16 @@ def stop(conn: sqlite3.Connection, run_id: str,
                 "owner_thread = NULL, lease_expires_at = NULL WHERE id = ? AND status = ? "
                 "RETURNING *", (run_id, status)).fetchone()
             events.append(conn, run_id, "run.cancelled", {"reason": "stopped", "was": status})
-            sessions.dispatch_next(conn, dict(run), enqueue)
-            return dict(run), True
+            run = db.as_dict(run)
+            sessions.dispatch_next(conn, run, enqueue)
+            return run, True
         if status == "running":
             run = conn.execute(f"UPDATE runs SET status = 'stopping', updated_at = {NOW} "
                                "WHERE id = ? AND status = 'running' RETURNING *",
                                (run_id,)).fetchone()
             events.append(conn, run_id, "run.stopping", {})
-            return dict(run), False
-        run = dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
+            return db.as_dict(run), False
+        run = db.as_dict(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone())
         return run, status != "stopping"
 
 
@@ -318,9 +319,10 @@ def pause(conn: sqlite3.Connection, run_id: str, owner: Owner, reason: str,
         if run is None:
             return None
         events.append(conn, run_id, "run.paused", {"reason": reason})
-        sessions.dispatch_next(conn, dict(run), enqueue)
-        slots.dispatch_next(conn, dict(run), enqueue)
-        return dict(run)
+        run = db.as_dict(run)
+        sessions.dispatch_next(conn, run, enqueue)
+        slots.dispatch_next(conn, run, enqueue)
+        return run
 
 
 def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, ...],
@@ -345,7 +347,7 @@ def requeue(conn: sqlite3.Connection, run_id: str, *, from_statuses: tuple[str, 
             (1 if next_attempt else 0, reason, run_id, *from_statuses, *guard_args)).fetchone()
         if run is None:
             return None
-        run = dict(run)
+        run = db.as_dict(run)
         events.append(conn, run_id, event_type,
                       {"reason": reason, "attempt": run["attempt"], **(event_data or {})})
         add_dispatch(conn, run, reason, enqueue)
@@ -360,4 +362,4 @@ def owns(conn: sqlite3.Connection, run_id: str, owner: Owner) -> dict[str, Any] 
     """The run's row if ``owner`` still holds a live lease on it (inside a transaction)."""
     row = conn.execute(f"SELECT * FROM runs WHERE id = ? AND status IN ('running', 'stopping') "
                        f"AND {_OWNED}", (run_id, *_owner_args(owner))).fetchone()
-    return None if row is None else dict(row)
+    return None if row is None else db.as_dict(row)

@@ -5,8 +5,10 @@ that each commit their own admission spend most of their time queueing for the l
 Here the request threads of one process hand their unit of work to a committer thread,
 which runs every unit waiting at that moment inside ONE ``BEGIN IMMEDIATE`` transaction,
 then commits once and wakes every waiter.  A unit refuses (a 409, a 429) only before it
-writes, so a refusal needs no savepoint; a failure after writing aborts the batch, which
-is then retried one unit per transaction.
+writes, so a refusal needs no savepoint: on SQLite none is taken, and a unit that refuses
+after writing anyway is caught by the count of rows written (:func:`_run_unit`); any
+other failure after writing aborts the batch, which is then retried one unit per
+transaction.
 
 Durability is unchanged: a waiter learns its result only after the COMMIT that holds
 it returned, so no answer is sent for anything that is not on disk; if the COMMIT
@@ -35,7 +37,7 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from ..errors import LedgerUnavailable, RunstileError
 from . import db
@@ -240,7 +242,7 @@ def _commit(conn: sqlite3.Connection, batch: list[Unit], more: TopUp | None = No
                     continue
                 for unit in units:
                     try:
-                        unit.result = unit.work(conn)
+                        unit.result = _run_unit(conn, unit.work)
                     except RunstileError as exc:
                         if isinstance(exc, LedgerUnavailable):
                             raise
@@ -259,6 +261,45 @@ def _commit(conn: sqlite3.Connection, batch: list[Unit], more: TopUp | None = No
                 raise
             except Exception as exc:  # noqa: BLE001 - the unit's waiter raises it
                 unit.error = exc
+
+
+class _RefusedAfterWriting(Exception):
+    """A unit refused after it had written: not a RunstileError, so its batch aborts."""
+
+
+def _run_unit(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], Any]) -> Any:
+    """``work(conn)``, one unit of the batch in progress.
+
+    A unit that refuses (raises a RunstileError) must leave nothing of its own behind,
+    while the rest of its batch commits.  Where the engine counts the rows a connection
+    writes (SQLite), that is checked rather than paid for: the unit runs without a
+    savepoint (its own transaction opens none either: ``LedgerConnection.bare_unit``),
+    and one that refuses after writing aborts the batch, which is then retried one unit
+    per transaction, where its refusal rolls its writes back.  Units refuse before they
+    write, so the check costs nothing, where a savepoint cost two statements per unit.
+    """
+    ledger_conn = cast(db.LedgerConnection, conn)
+    if not db.dialect(conn).counts_changes:
+        # PostgreSQL: one savepoint around the whole unit (sent with the next statement),
+        # which a refusal rolls back wherever in the unit it was raised.
+        with db.transaction(conn):
+            ledger_conn.bare_unit = True
+            try:
+                return work(conn)
+            finally:
+                ledger_conn.bare_unit = False
+    written = conn.total_changes
+    ledger_conn.bare_unit = True
+    try:
+        return work(conn)
+    except RunstileError as exc:
+        if conn.total_changes != written and not isinstance(exc, LedgerUnavailable):
+            log.warning("a unit refused (%s) after writing; its batch is retried one unit "
+                        "per transaction", exc.code)
+            raise _RefusedAfterWriting(exc.code) from exc
+        raise
+    finally:
+        ledger_conn.bare_unit = False
 
 
 def _by_kind(batch: Sequence[Unit]) -> list[tuple[Any, list[Unit]]]:

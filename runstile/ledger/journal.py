@@ -134,4 +134,4 @@ def steps(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
             "completed_at, result FROM journal WHERE run_id = ? AND kind = 'step' "
             "ORDER BY position",
             (run_id,)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]

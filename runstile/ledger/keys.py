@@ -111,7 +111,7 @@ def list_keys(conn: sqlite3.Connection, profile_id: str | None = None) -> list[d
     if profile_id is not None:
         sql, args = sql + " WHERE profile_id = ?", (profile_id,)
     with db.ledger_errors():
-        return [dict(row) for row in conn.execute(sql + " ORDER BY created_at, id", args)]
+        return [db.as_dict(row) for row in conn.execute(sql + " ORDER BY created_at, id", args)]
 
 
 def authenticate(conn: sqlite3.Connection, secret: str) -> Principal | None:

@@ -52,21 +52,21 @@ def insert_deliver(conn: sqlite3.Connection, run: dict[str, Any], *, url: str,
 def get(conn: sqlite3.Connection, obligation_id: str) -> dict[str, Any] | None:
     with db.ledger_errors():
         row = conn.execute("SELECT * FROM obligations WHERE id = ?", (obligation_id,)).fetchone()
-    return None if row is None else dict(row)
+    return None if row is None else db.as_dict(row)
 
 
 def for_run(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
     with db.ledger_errors():
         rows = conn.execute("SELECT * FROM obligations WHERE run_id = ? ORDER BY created_at, id",
                             (run_id,)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]
 
 
 def run_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
     """The run an obligation belongs to (kept from retention while it owes anything)."""
     with db.ledger_errors():
         row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
-    return None if row is None else dict(row)
+    return None if row is None else db.as_dict(row)
 
 
 STATES = ("pending", "attempting", "delivered", "parked", "discarded")
@@ -107,7 +107,7 @@ def list_visible(conn: sqlite3.Connection, scope: tuple[str, tuple[str, ...]], *
             "was stopped; narrow it (state) or lower limit"))
     with limited, db.ledger_errors():
         rows = conn.execute(sql, (*params, limit + 1)).fetchall()
-    return [dict(r) for r in rows[:limit]], len(rows) > limit
+    return [db.as_dict(r) for r in rows[:limit]], len(rows) > limit
 
 
 def list_all(conn: sqlite3.Connection, *, states: Sequence[str],
@@ -184,7 +184,7 @@ def claim(conn: sqlite3.Connection, obligation_id: str, *, node: str, generation
             f"WHERE id = ? AND state = 'pending' AND next_attempt_at <= {NOW} RETURNING *",
             (node, generation, pid, lease_s, obligation_id)).fetchone()
         if row is not None:
-            return Claim(row=dict(row))
+            return Claim(row=db.as_dict(row))
         early = conn.execute(
             f"SELECT next_attempt_at - {NOW} FROM obligations WHERE id = ? "
             "AND state = 'pending'", (obligation_id,)).fetchone()
@@ -262,7 +262,7 @@ def rearm_orphans(conn: sqlite3.Connection, *, node_id: str, generation: int,
             f"WHERE {gone} AND attempts >= :max LIMIT :limit) RETURNING *", params).fetchall()
         for row in parked:
             events.append(conn, row["run_id"], "delivery.parked",
-                          {**_event_data(dict(row)), "error": row["last_error"]})
+                          {**_event_data(db.as_dict(row)), "error": row["last_error"]})
         rearmed = conn.execute(
             "UPDATE obligations SET state = 'pending', ambiguous = 1, owner_node = NULL, "
             "owner_generation = NULL, owner_pid = NULL, lease_expires_at = NULL, "
@@ -305,7 +305,7 @@ def _decide(conn: sqlite3.Connection, obligation_id: str, by: str, event: str, a
             events.append(conn, row["run_id"], event, {"delivery_id": obligation_id, "by": by})
             if row["state"] == "pending":  # re-armed: its next attempt needs a message
                 owed.owe_deliveries(conn, row["run_id"])
-            return dict(row), True
+            return db.as_dict(row), True
         current = conn.execute("SELECT * FROM obligations WHERE id = ?",
                                (obligation_id,)).fetchone()
     return None if current is None else (dict(current), False)

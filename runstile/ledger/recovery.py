@@ -52,7 +52,7 @@ def orphaned(conn: sqlite3.Connection, *, node_id: str, generation: int,
         f"UNION SELECT {_ORPHAN_COLUMNS} FROM runs WHERE owner_node = ? AND "
         "owner_generation < ? AND status IN ('running', 'stopping') LIMIT ?",
         (node_id, generation, limit)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]
 
 
 def dead_nodes(conn: sqlite3.Connection, *, node_id: str) -> dict[str, int]:
@@ -87,7 +87,7 @@ def orphaned_of(conn: sqlite3.Connection, *, node_id: str, generation: int,
     rows = conn.execute(
         f"SELECT {_ORPHAN_COLUMNS} FROM runs WHERE owner_node = ? AND owner_generation <= ? "
         "AND status IN ('running', 'stopping') LIMIT ?", (node_id, generation, limit)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]
 
 
 def classify(conn: sqlite3.Connection, run: dict[str, Any], *, on_crash: str, budget: int,
@@ -133,7 +133,7 @@ def _move(conn: sqlite3.Connection, run: dict[str, Any], assignments: str,
     now is, or None if the guard lost (the owner came back, or another pass won)."""
     row = conn.execute(f"UPDATE runs SET {assignments}, {_CLEAR_OWNER} WHERE {_GUARD} "
                        "RETURNING *", (*args, *_guard_args(run))).fetchone()
-    return None if row is None else dict(row)
+    return None if row is None else db.as_dict(row)
 
 
 def apply(conn: sqlite3.Connection, run: dict[str, Any], klass: str, reason: str | None,
@@ -270,7 +270,7 @@ def stranded_queued(conn: sqlite3.Connection, *, older_than_s: float,
         "(SELECT 1 FROM broker_messages m WHERE m.run_id = runs.id AND m.state != 'dead') "
         f"AND {not_waiting_for_a_slot()} AND {due(behind='?')} ORDER BY updated_at LIMIT ?",
         (older_than_s, older_than_s, limit)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]
 
 
 def republish(conn: sqlite3.Connection, run: dict[str, Any], enqueue: Enqueue | None) -> bool:
@@ -280,7 +280,7 @@ def republish(conn: sqlite3.Connection, run: dict[str, Any], enqueue: Enqueue | 
                        "AND updated_at IS ? RETURNING *", (run["id"], run["updated_at"])).fetchone()
     if row is None:
         return False
-    add_dispatch(conn, dict(row), "republished", enqueue)
+    add_dispatch(conn, db.as_dict(row), "republished", enqueue)
     return True
 
 
@@ -382,7 +382,7 @@ def latest_reports(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, 
     with db.ledger_errors():
         rows = conn.execute("SELECT * FROM recovery_reports ORDER BY id DESC LIMIT ?",
                             (limit,)).fetchall()
-    return [{**dict(r), "counts": json.loads(r["counts"]),
+    return [{**db.as_dict(r), "counts": json.loads(r["counts"]),
              "taken_over": json.loads(r["taken_over"]) if r["taken_over"] else {}}
             for r in rows]
 

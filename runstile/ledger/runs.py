@@ -130,7 +130,7 @@ def get_visible(conn: sqlite3.Connection, principal: Principal,
     with db.ledger_errors():
         row = conn.execute(f"SELECT * FROM runs WHERE id = ? AND {where}",
                            (run_id, *args)).fetchone()
-    return None if row is None else dict(row)
+    return None if row is None else db.as_dict(row)
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def list_visible(conn: sqlite3.Connection, principal: Principal, flt: RunFilter,
     sql = f"SELECT * FROM runs WHERE {' AND '.join(clauses)} ORDER BY seq DESC LIMIT ?"
     with db.time_limit(conn, timeout_s, _list_timeout(timeout_s)), db.ledger_errors():
         rows = conn.execute(sql, (*params, limit + 1)).fetchall()
-    return [dict(r) for r in rows[:limit]], len(rows) > limit
+    return [db.as_dict(r) for r in rows[:limit]], len(rows) > limit
 
 
 def _key_scope(principal: Principal, key: str) -> str:

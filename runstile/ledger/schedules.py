@@ -60,7 +60,7 @@ def ensure(conn: sqlite3.Connection, schedules: Iterable[tuple[str, str]]) -> No
 def states(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
     """Every schedule's row, by name: the scheduler's one read per wake-up."""
     with db.ledger_errors():
-        return {row["name"]: dict(row) for row in conn.execute("SELECT * FROM schedules")}
+        return {row["name"]: db.as_dict(row) for row in conn.execute("SELECT * FROM schedules")}
 
 
 #: SQL condition: the schedule may admit the tick ``?`` (given twice): not paused, the tick

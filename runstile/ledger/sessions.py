@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from . import db
 from .runs import Enqueue, add_dispatch, due, not_waiting_for_a_slot
 
 #: Statuses that hold a session's head.
@@ -65,7 +66,7 @@ def dispatch_next(conn: sqlite3.Connection, run: dict[str, Any],
                         f"{_HEAD_ORDER} LIMIT 1", _key(run)).fetchone()
     if head is None:
         return None
-    add_dispatch(conn, dict(head), "session_next", enqueue)
+    add_dispatch(conn, db.as_dict(head), "session_next", enqueue)
     run_id: str = head["id"]
     return run_id
 
@@ -83,4 +84,4 @@ def heads_without_dispatch(conn: sqlite3.Connection, *, limit: int) -> list[dict
         # frees (recovery hands those out in the same step, ledger/slots.py).
         f"LIMIT 1) AND {not_waiting_for_a_slot('r.')} AND {due('r.')} LIMIT ?",
         (limit,)).fetchall()
-    return [dict(r) for r in rows]
+    return [db.as_dict(r) for r in rows]

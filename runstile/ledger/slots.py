@@ -157,7 +157,7 @@ def _pick(conn: sqlite3.Connection, slot: Slot, handed: collections.Counter[Slot
             (key, json.dumps(full))).fetchone()
         if row is None:
             return None
-        run, theirs = dict(row), row[blocker.column]
+        run, theirs = db.as_dict(row), row[blocker.column]
         cap = run[blocker.seen] if limits is None else limits.of(blocker, theirs,
                                                                  run[blocker.seen])
         if cap is None or running(conn, blocker, theirs) + handed[(blocker, theirs)] < cap:
@@ -194,8 +194,8 @@ def hand_on(conn: sqlite3.Connection, freed: Mapping[Slot, int], enqueue: Enqueu
             break
         slot = min(picks, key=lambda s: picks[s]["seq"])
         # Read again: a later pick may have marked it as waiting for its other slot too.
-        run = dict(conn.execute("SELECT * FROM runs WHERE id = ?",
-                                (picks[slot]["id"],)).fetchone())
+        run = db.as_dict(conn.execute("SELECT * FROM runs WHERE id = ?",
+                                      (picks[slot]["id"],)).fetchone())
         add_dispatch(conn, run, slot[0].reason, enqueue)  # clears its marks
         dispatched.append(run["id"])
         taken = slots_of(run)
@@ -234,6 +234,8 @@ def dispatch_next(conn: sqlite3.Connection, run: dict[str, Any],
     find nothing when no limit is set; none for a kind that ``waiting`` leaves out,
     which :func:`waiting_of` said nobody waits for)."""
     kinds = set(waiting)
+    if not kinds:
+        return []  # the common case (no limit set): nothing to look up or count
     return hand_on(conn, collections.Counter(s for s in slots_of(run) if s[0] in kinds),
                    enqueue)
 

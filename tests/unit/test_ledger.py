@@ -145,3 +145,13 @@ def test_public_and_allowlisted_callback_targets_pass():
     assert callback_refusal("https://hooks.example.com/x?y=1") is None
     assert callback_refusal("http://127.0.0.1:8080/", ("127.0.0.0/8",)) is None
     assert callback_refusal("http://internal.svc/", ("internal.svc",)) is None
+
+
+def test_a_row_as_a_dict_is_what_dict_of_the_row_gives_in_the_same_column_order(conn):
+    wide = conn.execute("SELECT " + ", ".join(f"{n} AS col_{n}" for n in range(40))).fetchone()
+    assert db.as_dict(wide) == dict(wide) == {f"col_{n}": n for n in range(40)}
+    assert list(db.as_dict(wide)) == list(dict(wide))
+    # A name the row repeats keeps the value dict(row) gives it, on either engine.
+    repeated = conn.execute("SELECT 1 AS a, 2 AS b, 3 AS a, 4 AS c").fetchone()
+    assert db.as_dict(repeated) == dict(repeated)
+    assert list(db.as_dict(repeated)) == ["a", "b", "c"]
