@@ -108,6 +108,22 @@ class _Waiting:
         self.drain_left, self.continued = drain_left, False
 
 
+def settle_config(cfg: Any) -> None:
+    """Every gunicorn setting's value as a plain attribute of this worker's ``cfg``.
+
+    gunicorn's Config answers ``cfg.name`` through ``__getattr__``: each read misses the
+    instance, then runs a Python function.  gunicorn reads its settings dozens of times
+    per request (parser limits, header rules, hooks, logging), an eighth of a web
+    process's instructions per admission (callgrind, docs/architecture.md "The HTTP
+    front").  A worker's settings never change (a reload starts new workers from the
+    arbiter's new config), so after the fork each value is stored once in the
+    instance's ``__dict__``, past Config's ``__setattr__`` (which refuses settings), where
+    the ordinary lookup finds it.  Config's properties are data descriptors and still
+    win over the instance, as before."""
+    for name, setting in cfg.settings.items():
+        vars(cfg)[name] = setting.get()
+
+
 class BufferingThreadWorker(FlagOnlySignals, NextRequestWait, ThreadWorker):
     """gthread, with the event loop reading requests whole and closing connections gently,
     request threads that serve a kept-alive connection's next request when it comes at
@@ -124,6 +140,7 @@ class BufferingThreadWorker(FlagOnlySignals, NextRequestWait, ThreadWorker):
         self.read_timeout_s: float = settings.request_read_timeout_s
         self.max_body_bytes: int = settings.max_body_bytes
         self.waiting: dict[int, _Waiting] = {}
+        settle_config(self.cfg)
         super().init_process()
 
     def load_wsgi(self) -> None:
