@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import LedgerCorrupt, LedgerUnavailable
+from ..errors import LedgerCorrupt, LedgerUnavailable, RunstileError
 from ..filemodes import private_file
 from .db_deadline import progress_deadline
 from .db_dialect import NOW, SQLITE, ConstraintViolation, SqliteDialect, as_dict, is_database_url
@@ -294,21 +294,31 @@ def _settle(conn: LedgerConnection) -> None:
         conn.settling = False
 
 
+class RefusedAfterWriting(Exception):
+    """A group commit's unit refused after writing (not a RunstileError: its batch aborts
+    and is retried one unit per transaction, where the refusal rolls the unit back)."""
+
+
 @contextlib.contextmanager
 def _nested(conn: LedgerConnection) -> Iterator[None]:
     """A transaction inside another: a savepoint, undone with what it owed if it raises.
-    A group commit's unit (``bare_unit``) needs none: the group commit itself sees to a
-    unit that refuses after writing (ledger/group_commit.py, ``_run_unit``)."""
+    A group commit's unit on SQLite (``bare_unit``) takes none: what it wrote is counted
+    instead, and a refusal after a write escapes as RefusedAfterWriting, which no
+    ``except`` for the refusal inside the unit can swallow (ledger/group_commit.py)."""
     mark = conn.owed.mark()
     bare, conn.bare_unit = conn.bare_unit, False  # a deeper transaction takes a savepoint
+    written = conn.total_changes if bare else 0
     try:
         if bare:
             yield
         else:
             with _savepoint(conn):
                 yield
-    except BaseException:
+    except BaseException as exc:
         conn.owed.undo(mark)
+        if bare and isinstance(exc, RunstileError) and conn.total_changes != written and \
+                not isinstance(exc, LedgerUnavailable):
+            raise RefusedAfterWriting(exc.code) from exc
         raise
 
 

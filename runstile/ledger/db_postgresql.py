@@ -161,7 +161,7 @@ class PgConnection:
     busy_timeout_s: float = 5.0
     after_commit: Callable[[Any, Owed], None] | None = None
     settling: bool = False
-    bare_unit: bool = False  # as LedgerConnection's (group_commit._run_unit)
+    bare_unit: bool = False  # never set: a PostgreSQL unit keeps its savepoints
 
     def __init__(self, raw: psycopg.Connection[Any], url: str, busy_timeout_s: float) -> None:
         self._raw = raw

@@ -249,22 +249,26 @@ def _commit(conn: sqlite3.Connection, batch: list[Unit], more: TopUp | None = No
                         unit.error = exc
     except LedgerUnavailable:
         raise
-    except Exception:  # noqa: BLE001 - retried unit by unit below; each waiter gets its error
-        # Something broke mid-write (a uniqueness race, a bug): nothing committed.
-        # Run each unit alone so that one bad unit cannot fail its neighbours.
-        for unit in batch:
-            unit.result, unit.error = None, None
-            try:
-                with db.transaction(conn):
-                    unit.result = unit.work(conn)
-            except LedgerUnavailable:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the unit's waiter raises it
-                unit.error = exc
+    except Exception as exc:  # noqa: BLE001 - retried unit by unit; each waiter gets its error
+        if isinstance(exc, db.RefusedAfterWriting):
+            log.warning("a unit refused (%s) after writing; its batch is retried one unit "
+                        "per transaction", exc)
+        _each_alone(conn, batch)
 
 
-class _RefusedAfterWriting(Exception):
-    """A unit refused after it had written: not a RunstileError, so its batch aborts."""
+def _each_alone(conn: sqlite3.Connection, batch: list[Unit]) -> None:
+    """After a batch that broke mid-write (a uniqueness race, a bug, a unit that refused
+    after writing) and committed nothing: each unit in a transaction of its own, so that
+    one bad unit cannot fail its neighbours."""
+    for unit in batch:
+        unit.result, unit.error = None, None
+        try:
+            with db.transaction(conn):
+                unit.result = unit.work(conn)
+        except LedgerUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the unit's waiter raises it
+            unit.error = exc
 
 
 def _run_unit(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], Any]) -> Any:
@@ -274,29 +278,24 @@ def _run_unit(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], Any
     while the rest of its batch commits.  Where the engine counts the rows a connection
     writes (SQLite), that is checked rather than paid for: the unit runs without a
     savepoint (its own transaction opens none either: ``LedgerConnection.bare_unit``),
-    and one that refuses after writing aborts the batch, which is then retried one unit
-    per transaction, where its refusal rolls its writes back.  Units refuse before they
+    and one that refuses after writing, from its own transaction (``db._nested``) or
+    outside one (here), aborts the batch, which is then retried one unit per
+    transaction, where its refusal rolls its writes back.  Units refuse before they
     write, so the check costs nothing, where a savepoint cost two statements per unit.
     """
-    ledger_conn = cast(db.LedgerConnection, conn)
     if not db.dialect(conn).counts_changes:
         # PostgreSQL: one savepoint around the whole unit (sent with the next statement),
         # which a refusal rolls back wherever in the unit it was raised.
         with db.transaction(conn):
-            ledger_conn.bare_unit = True
-            try:
-                return work(conn)
-            finally:
-                ledger_conn.bare_unit = False
+            return work(conn)
+    ledger_conn = cast(db.LedgerConnection, conn)
     written = conn.total_changes
     ledger_conn.bare_unit = True
     try:
         return work(conn)
     except RunstileError as exc:
         if conn.total_changes != written and not isinstance(exc, LedgerUnavailable):
-            log.warning("a unit refused (%s) after writing; its batch is retried one unit "
-                        "per transaction", exc.code)
-            raise _RefusedAfterWriting(exc.code) from exc
+            raise db.RefusedAfterWriting(exc.code) from exc
         raise
     finally:
         ledger_conn.bare_unit = False

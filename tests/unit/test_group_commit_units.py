@@ -66,6 +66,27 @@ def test_a_refusal_a_unit_catches_inside_itself_undoes_only_the_writes_it_wrappe
     assert handed_rows(target) == [10, 12, 13]
 
 
+def test_a_refusal_a_unit_catches_around_its_own_transaction_still_undoes_that_write(
+        handed_ledger):
+    target, _ = handed_ledger
+
+    def work(conn):
+        try:
+            with db.transaction(conn):
+                conn.execute("INSERT INTO handed (n) VALUES (20)")
+                raise CapacityExceeded("refused after writing, then caught")
+        except CapacityExceeded:
+            pass
+        conn.execute("INSERT INTO handed (n) VALUES (21)")
+        return "went on"
+
+    batch = [group_commit.Unit(insert(19)), group_commit.Unit(work)]
+    group_commit.Batches(lambda: db.connect(target)).settle(batch)
+
+    assert [unit.result for unit in batch] == [19, "went on"]
+    assert handed_rows(target) == [19, 21]
+
+
 def test_a_units_own_transaction_opens_a_savepoint_only_where_writes_are_not_counted(
         handed_ledger):
     target, _ = handed_ledger
@@ -85,7 +106,8 @@ def test_a_units_own_transaction_opens_a_savepoint_only_where_writes_are_not_cou
     savepoints = [s for s in statements if "SAVEPOINT" in s.upper() and "RELEASE" not in
                   s.upper()]
     # SQLite counts what a unit writes: one savepoint per unit, for the deeper level only.
-    # A PostgreSQL unit has one of its own too (sent with the next statement).
+    # A PostgreSQL unit keeps one at each level and one around the whole unit (each sent
+    # with the next statement).
     on_postgresql = isinstance(target, str)  # a URL; SQLite's target is a file's Path
-    assert len(savepoints) == (4 if on_postgresql else 2), statements
+    assert len(savepoints) == (6 if on_postgresql else 2), statements
     assert handed_rows(target) == [1, 1, 2, 2]
