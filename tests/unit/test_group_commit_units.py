@@ -21,6 +21,16 @@ def _refuses_after_writing(n: int, *, own_transaction: bool):
     return work
 
 
+def _write_then_refuse_caught(conn, n: int) -> None:
+    """A transaction that writes ``n`` and refuses, its refusal caught by the caller."""
+    try:
+        with db.transaction(conn):
+            conn.execute(f"INSERT INTO handed (n) VALUES ({int(n)})")
+            raise CapacityExceeded("refused after writing, then caught")
+    except CapacityExceeded:
+        pass
+
+
 def _traced(target, statements: list[str]):
     def connect():
         conn = db.connect(target)
@@ -50,12 +60,7 @@ def test_a_refusal_a_unit_catches_inside_itself_undoes_only_the_writes_it_wrappe
     def work(conn):
         with db.transaction(conn):
             conn.execute("INSERT INTO handed (n) VALUES (10)")
-            try:
-                with db.transaction(conn):
-                    conn.execute("INSERT INTO handed (n) VALUES (11)")
-                    raise CapacityExceeded("the inner part refuses")
-            except CapacityExceeded:
-                pass
+            _write_then_refuse_caught(conn, 11)
             conn.execute("INSERT INTO handed (n) VALUES (12)")
         return "done"
 
@@ -71,12 +76,7 @@ def test_a_refusal_a_unit_catches_around_its_own_transaction_still_undoes_that_w
     target, _ = handed_ledger
 
     def work(conn):
-        try:
-            with db.transaction(conn):
-                conn.execute("INSERT INTO handed (n) VALUES (20)")
-                raise CapacityExceeded("refused after writing, then caught")
-        except CapacityExceeded:
-            pass
+        _write_then_refuse_caught(conn, 20)  # the unit's own transaction, this time
         conn.execute("INSERT INTO handed (n) VALUES (21)")
         return "went on"
 
