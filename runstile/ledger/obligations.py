@@ -308,7 +308,7 @@ def _decide(conn: sqlite3.Connection, obligation_id: str, by: str, event: str, a
             return db.as_dict(row), True
         current = conn.execute("SELECT * FROM obligations WHERE id = ?",
                                (obligation_id,)).fetchone()
-    return None if current is None else (dict(current), False)
+    return None if current is None else (db.as_dict(current), False)
 
 
 def payload_of(row: dict[str, Any]) -> object:
