@@ -76,6 +76,10 @@ _PARSER_ERRORS: tuple[tuple[type[BaseException], type[RunstileError]], ...] = (
     (http_errors.ExpectationFailed, ExpectationFailed),
     (http_errors.ParseException, MalformedRequest),
 )
+#: What gunicorn_h1c before the release that names UnsupportedTransferCoding raises, as
+#: its InvalidHeader's text, for a transfer coding other than chunked; gunicorn passes the
+#: text on in its own InvalidHeader.  Answered 501 like the newer releases (web/server.py).
+_H1C_UNKNOWN_CODING = "Unsupported Transfer-Encoding"
 
 #: Whether the request a request thread serves has a body over the limit (_mark_oversized).
 _serving = threading.local()
@@ -311,14 +315,25 @@ class BufferingThreadWorker(FlagOnlySignals, NextRequestWait, ThreadWorker):
     def handle_error(self, req: Request | None, client: socket.socket,
                      addr: tuple[str, int] | str | None, exc: BaseException) -> None:
         """Requests gunicorn's parser refuses, in runstile's error shape (not HTML)."""
-        for cls, error_cls in _PARSER_ERRORS:
-            if isinstance(exc, cls):
-                self.log.warning("refused a request from %s: %s", (addr or ("",))[0], exc)
-                _send_quietly(client, error_bytes(error_cls(_describe(exc))))
-                return
-        self.log.exception("error handling a request")
-        _send_quietly(client, error_bytes(RunstileError(
-            "an unexpected error occurred; it has been logged")))
+        error_cls = _refusal_for(exc)
+        if error_cls is None:
+            self.log.exception("error handling a request")
+            _send_quietly(client, error_bytes(RunstileError(
+                "an unexpected error occurred; it has been logged")))
+            return
+        self.log.warning("refused a request from %s: %s", (addr or ("",))[0], exc)
+        _send_quietly(client, error_bytes(error_cls(_describe(exc))))
+
+
+def _refusal_for(exc: BaseException) -> type[RunstileError] | None:
+    """The runstile error a parser refusal is answered with; None if it is no refusal."""
+    if (isinstance(exc, http_errors.InvalidHeader)
+            and getattr(exc, "hdr", None) == _H1C_UNKNOWN_CODING):
+        return UnsupportedTransferCoding
+    for cls, error_cls in _PARSER_ERRORS:
+        if isinstance(exc, cls):
+            return error_cls
+    return None
 
 
 def _describe(exc: BaseException) -> str:
