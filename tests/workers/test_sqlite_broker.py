@@ -354,7 +354,12 @@ def test_a_killed_consumer_process_gives_its_messages_back_to_another_consumer(
     for proxy in back:
         consumer.ack(proxy)
     consumer.close()
-    assert ledger.query("SELECT COUNT(*) FROM broker_consumers") == [(0,)]
+    # The child had two consumers (its queue and the queue's delay queue), each a row of
+    # its own: the reap that released the messages may have come before the second row's
+    # timeout ran out, when its last heartbeat was a little later (a slow machine).  Each
+    # goes within its timeout (1 s in the child) of its last heartbeat.
+    wait_until(lambda: ledger.query("SELECT COUNT(*) FROM broker_consumers") == [(0,)],
+               10, 0.05, "the dead consumers' rows to be reaped")
 
 
 # -- real workers -----------------------------------------------------------------------
