@@ -43,6 +43,11 @@ BIN = Path(sys.executable).parent          # the venv's bin (not resolved: keep 
 HOST = "127.0.0.1"
 GUNICORN_THREADS = 8
 GUNICORN_WORKERS = 2
+#: The baselines' gunicorn settings: those runstile's web/server.py sets (processes,
+#: threads, timeouts, keep-alive, and gunicorn_h1c's C request parser).
+GUNICORN_ARGS = ["-w", str(GUNICORN_WORKERS), "-k", "gthread", "--threads",
+                 str(GUNICORN_THREADS), "--timeout", "30", "--graceful-timeout", "10",
+                 "--keep-alive", "5", "--http-parser", "fast", "--log-level", "warning"]
 
 
 @dataclass
@@ -217,18 +222,19 @@ def bench_runstile(cfg: Settings) -> HttpResult:
         return result
 
 
+def _gunicorn_argv(app: str, port: int) -> list[str]:
+    """gunicorn serving ``app`` on ``port`` with GUNICORN_ARGS."""
+    return [str(BIN / "gunicorn"), *GUNICORN_ARGS, "-b", f"{HOST}:{port}", app]
+
+
 def bench_baseline(cfg: Settings) -> HttpResult:
     with temp_dir("bench-baseline-", cfg.keep) as data:
         db = data / "baseline.db"
         baseline_app.create_schema(str(db))
         port = free_port()
         env = clean_env(BENCH_BASELINE_DB=str(db))
-        # The same gunicorn configuration runstile's server.py sets.
-        server = Server([str(BIN / "gunicorn"), "-w", str(GUNICORN_WORKERS), "-k", "gthread",
-                         "--threads", str(GUNICORN_THREADS), "-b", f"{HOST}:{port}",
-                         "--timeout", "30", "--graceful-timeout", "10", "--keep-alive", "5",
-                         "--log-level", "warning", "bench.baseline_app:app"],
-                        env, data / "server.log", port)
+        server = Server(_gunicorn_argv("bench.baseline_app:app", port), env,
+                        data / "server.log", port)
         try:
             server.wait_ready()
             # Same request bytes as runstile gets (the baseline ignores Authorization).
@@ -246,11 +252,8 @@ def bench_flask_noop(cfg: Settings) -> HttpResult:
     gunicorn setup; parses the body and answers 202 without touching SQLite."""
     with temp_dir("bench-flask-noop-", cfg.keep) as data:
         port = free_port()
-        server = Server([str(BIN / "gunicorn"), "-w", str(GUNICORN_WORKERS), "-k", "gthread",
-                         "--threads", str(GUNICORN_THREADS), "-b", f"{HOST}:{port}",
-                         "--timeout", "30", "--graceful-timeout", "10", "--keep-alive", "5",
-                         "--log-level", "warning", "bench.peers.flask_noop:app"],
-                        clean_env(), data / "server.log", port)
+        server = Server(_gunicorn_argv("bench.peers.flask_noop:app", port), clean_env(),
+                        data / "server.log", port)
         try:
             server.wait_ready()
             headers = {"Authorization": "Bearer rsk_0000000000000000_" + "x" * 43,

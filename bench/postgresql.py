@@ -406,9 +406,6 @@ def bench_procrastinate(cfg: PgSettings) -> TargetResult:
 
 # --------------------------------------------------------------------------- admission
 
-GUNICORN = ["-w", str(admission.GUNICORN_WORKERS), "-k", "gthread", "--threads",
-            str(admission.GUNICORN_THREADS), "--timeout", "30", "--graceful-timeout", "10",
-            "--keep-alive", "5", "--log-level", "warning"]
 
 
 def _count_runs(url: str) -> int:
@@ -451,7 +448,7 @@ def bench_baseline(cfg: PgSettings) -> HttpResult:
             temp_dir("bench-pg-baseline-", cfg.keep) as data:
         baseline_app.pg_create_schema(url)
         port = free_port()
-        server = Server([str(BIN / "gunicorn"), *GUNICORN, "-b", f"{HOST}:{port}",
+        server = Server([str(BIN / "gunicorn"), *admission.GUNICORN_ARGS, "-b", f"{HOST}:{port}",
                          "bench.baseline_app:app"],
                         clean_env(BENCH_BASELINE_PG_URL=url), data / "server.log", port)
         try:

@@ -191,7 +191,7 @@ def admission_section() -> bool:
                    "client_processes": cfg.processes, "client_threads": cfg.threads,
                    "clients": cfg.processes * cfg.threads,
                    "server": f"gunicorn {admission.GUNICORN_WORKERS} processes x "
-                             f"{admission.GUNICORN_THREADS} gthread threads",
+                             f"{admission.GUNICORN_THREADS} gthread threads, C parser",
                    "cpus": os.cpu_count(), "python": platform.python_version(),
                    "sqlite": sqlite3.sqlite_version, "platform": platform.platform()},
         "runstile": rs_row,
@@ -859,7 +859,7 @@ def postgresql_section() -> bool:
                    "admission_s": cfg.adm.duration_s, "admission_warmup_s": cfg.adm.warmup_s,
                    "admission_clients": cfg.adm.processes * cfg.adm.threads,
                    "admission_server": f"gunicorn {admission.GUNICORN_WORKERS} processes x "
-                                       f"{admission.GUNICORN_THREADS} gthread threads",
+                                       f"{admission.GUNICORN_THREADS} gthread threads, C parser",
                    "server": info, "cpus": os.cpu_count(),
                    "python": platform.python_version(), "platform": platform.platform()},
         "targets": e2e,

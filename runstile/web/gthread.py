@@ -118,8 +118,8 @@ def settle_config(cfg: Any) -> None:
     gunicorn's Config answers ``cfg.name`` through ``__getattr__``: each read misses the
     instance, then runs a Python function.  gunicorn reads its settings dozens of times
     per request (parser limits, header rules, hooks, logging), an eighth of a web
-    process's instructions per admission (callgrind, docs/architecture.md "The HTTP
-    front").  A worker's settings never change (a reload starts new workers from the
+    process's instructions per admission (callgrind, docs/architecture.md "gunicorn
+    with gthread workers").  A worker's settings never change (a reload starts new workers from the
     arbiter's new config), so after the fork each value is stored once in the
     instance's ``__dict__``, past Config's ``__setattr__`` (which refuses settings), where
     the ordinary lookup finds it.  Config's properties are data descriptors and still

@@ -53,8 +53,8 @@ class _Gunicorn(BaseApplication):
             "threads": s.web_threads,
             # gunicorn_h1c's C parser, not gunicorn's pure-Python one: the Python parser
             # was a quarter of a web process's instructions per admission
-            # (docs/architecture.md, "The HTTP front").  "fast", not "auto": never the
-            # Python parser quietly, at a quarter more per request.
+            # (docs/architecture.md, "gunicorn with gthread workers").  "fast", not
+            # "auto": never the Python parser quietly, at a quarter more per request.
             "http_parser": "fast",
             # gthread's timeout watches the worker's main loop, not a request, so a
             # long event stream never trips it.

@@ -195,9 +195,18 @@ def test_a_100_mib_upload_is_cut_off_after_the_drain_bound_while_others_are_serv
      "request_headers_too_large"),
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\n\r\n", 417, "expectation_failed"),
     (b"NOT-HTTP\r\n\r\n", 400, "malformed_request"),
+    # Shapes two parsers in a chain may read differently (request smuggling), refused by
+    # whichever parser the web tier runs (docs/architecture.md, "gunicorn with gthread
+    # workers").
+    (b"POST /v1/runs HTTP/1.1\nHost: x\nContent-Length: 2\n\n{}", 400, "malformed_request"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\r\n folded\r\n\r\n", 400,
+     "malformed_request"),
+    (b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Length : 2\r\n\r\n{}", 400,
+     "malformed_request"),
 ], ids=["nul-in-header", "cr-in-header", "no-colon", "cl-with-te", "two-lengths",
         "negative-length", "bad-chunk-size", "chunk-without-crlf", "unknown-coding",
-        "request-line-too-long", "head-too-large", "unknown-expectation", "not-http"])
+        "request-line-too-long", "head-too-large", "unknown-expectation", "not-http",
+        "bare-lf", "obsolete-folding", "space-before-colon"])
 def test_requests_the_http_server_refuses_are_answered_in_json(client, request_bytes, status,
                                                               code):
     answer_status, headers, body = parse_answer(raw_exchange(client.server, request_bytes))
