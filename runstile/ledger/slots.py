@@ -235,7 +235,7 @@ def dispatch_next(conn: sqlite3.Connection, run: dict[str, Any],
     which :func:`waiting_of` said nobody waits for)."""
     kinds = set(waiting)
     if not kinds:
-        return []  # the common case (no limit set): nothing to look up or count
+        return []  # the common case (no run waits for a slot): nothing to look up or count
     return hand_on(conn, collections.Counter(s for s in slots_of(run) if s[0] in kinds),
                    enqueue)
 
