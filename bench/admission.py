@@ -222,7 +222,7 @@ def bench_runstile(cfg: Settings) -> HttpResult:
         return result
 
 
-def _gunicorn_argv(app: str, port: int) -> list[str]:
+def gunicorn_argv(app: str, port: int) -> list[str]:
     """gunicorn serving ``app`` on ``port`` with GUNICORN_ARGS."""
     return [str(BIN / "gunicorn"), *GUNICORN_ARGS, "-b", f"{HOST}:{port}", app]
 
@@ -233,7 +233,7 @@ def bench_baseline(cfg: Settings) -> HttpResult:
         baseline_app.create_schema(str(db))
         port = free_port()
         env = clean_env(BENCH_BASELINE_DB=str(db))
-        server = Server(_gunicorn_argv("bench.baseline_app:app", port), env,
+        server = Server(gunicorn_argv("bench.baseline_app:app", port), env,
                         data / "server.log", port)
         try:
             server.wait_ready()
@@ -252,7 +252,7 @@ def bench_flask_noop(cfg: Settings) -> HttpResult:
     gunicorn setup; parses the body and answers 202 without touching SQLite."""
     with temp_dir("bench-flask-noop-", cfg.keep) as data:
         port = free_port()
-        server = Server(_gunicorn_argv("bench.peers.flask_noop:app", port), clean_env(),
+        server = Server(gunicorn_argv("bench.peers.flask_noop:app", port), clean_env(),
                         data / "server.log", port)
         try:
             server.wait_ready()

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 from runstile.errors import redact_url
 
 from . import admission, baseline_app
-from .admission import BIN, HOST, REPO, HttpResult, Server, clean_env, free_port, temp_dir
+from .admission import BIN, REPO, HttpResult, Server, clean_env, free_port, temp_dir
 from .execution import (
     RUNSTILE,
     WEB_WORKERS,
@@ -406,8 +406,6 @@ def bench_procrastinate(cfg: PgSettings) -> TargetResult:
 
 # --------------------------------------------------------------------------- admission
 
-
-
 def _count_runs(url: str) -> int:
     counter = Counter(url)
     try:
@@ -448,8 +446,7 @@ def bench_baseline(cfg: PgSettings) -> HttpResult:
             temp_dir("bench-pg-baseline-", cfg.keep) as data:
         baseline_app.pg_create_schema(url)
         port = free_port()
-        server = Server([str(BIN / "gunicorn"), *admission.GUNICORN_ARGS, "-b", f"{HOST}:{port}",
-                         "bench.baseline_app:app"],
+        server = Server(admission.gunicorn_argv("bench.baseline_app:app", port),
                         clean_env(BENCH_BASELINE_PG_URL=url), data / "server.log", port)
         try:
             server.wait_ready()

@@ -119,10 +119,10 @@ def settle_config(cfg: Any) -> None:
     instance, then runs a Python function.  gunicorn reads its settings dozens of times
     per request (parser limits, header rules, hooks, logging), an eighth of a web
     process's instructions per admission (callgrind, docs/architecture.md "gunicorn
-    with gthread workers").  A worker's settings never change (a reload starts new workers from the
-    arbiter's new config), so after the fork each value is stored once in the
-    instance's ``__dict__``, past Config's ``__setattr__`` (which refuses settings), where
-    the ordinary lookup finds it.  Config's properties are data descriptors and still
+    with gthread workers").  A worker's settings never change (a reload starts new
+    workers from the arbiter's new config), so after the fork each value is stored once
+    in the instance's ``__dict__``, past Config's ``__setattr__`` (which refuses
+    settings), where the ordinary lookup finds it.  Config's properties are data descriptors and still
     win over the instance, as before."""
     for name, setting in cfg.settings.items():
         vars(cfg)[name] = setting.get()

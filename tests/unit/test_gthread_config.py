@@ -47,7 +47,6 @@ def test_the_web_tier_parses_requests_with_gunicorns_c_parser(tmp_path):
 
     app = _Gunicorn(Settings.from_env({"RUNSTILE_DATA_DIR": str(tmp_path)}),
                     writer_socket=None, metrics_dir=str(tmp_path))
-    settle_config(app.cfg)
     assert app.cfg.http_parser == "fast"
     # gunicorn's own test of whether a request would go through gunicorn_h1c.
     assert _check_fast_parser(app.cfg) is True
